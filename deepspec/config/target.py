@@ -1,0 +1,25 @@
+"""Schema of the `target` section: which LLM the draft serves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from deepspec.errors import ConfigError
+
+
+@dataclass
+class TargetConfig:
+    # An embedded name (`smollm2-135m-instruct`), a Hugging Face model id, or a local folder.
+    name: str = "smollm2-135m-instruct"
+    revision: str | None = None
+    # `auto`: bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and lossy).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    # Passed to the chat template everywhere (regeneration, cache, eval), e.g. enable_thinking: false.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=lambda: {"enable_thinking": False})
+    trust_remote_code: bool = False
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ConfigError("target.name is empty; set it to an HF model id, a local path or 'smollm2-135m-instruct'.")

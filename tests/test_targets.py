@@ -1,0 +1,73 @@
+"""Targets: tiny random models for both families, tap convention, the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspec.errors import ConfigError
+from deepspec.targets import capture, default_taps, tiny_target, to_vllm_aux_ids, validate_taps
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_targets_build_and_run(family):
+    model, tok = tiny_target(family)
+    assert model.config.model_type == family
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert ids.shape[1] > 5
+    logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    # deterministic for a seed
+    model2, _ = tiny_target(family)
+    assert torch.equal(model2(ids).logits, logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tap_k_is_output_of_layer_k(family):
+    """Golden: tap k == HF hidden_states[k+1] == output of decoder layer k (via a forward hook)."""
+    model, tok = tiny_target(family)
+    ids = torch.randint(0, 256, (2, 11))
+    layer_out = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: layer_out.__setitem__(k, o[0] if isinstance(o, tuple) else o))
+             for k, layer in enumerate(model.model.layers)]
+    taps = [-1, 0, 2, 4]
+    feats, final = capture(model, ids, taps)
+    for h in hooks:
+        h.remove()
+    assert feats.shape == (2, 11, len(taps), model.config.hidden_size)
+    assert torch.equal(feats[:, :, 0], model.model.embed_tokens(ids))
+    for j, k in enumerate(taps[1:], start=1):
+        assert torch.equal(feats[:, :, j], layer_out[k])
+    # the final hidden is the normed last layer output, and the LM head of it gives HF's logits
+    assert torch.allclose(final, model.model.norm(layer_out[len(model.model.layers) - 1]))
+    assert torch.allclose(model.lm_head(final), model(ids).logits, atol=1e-5)
+
+
+def test_tap_validation_and_translation():
+    assert validate_taps([1, 14, 26], 30) == [1, 14, 26]
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        validate_taps([1, 29], 30)  # the last layer is excluded
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        validate_taps([-2], 30)
+    with pytest.raises(ConfigError, match="repeats"):
+        validate_taps([3, 3], 30)
+    assert to_vllm_aux_ids([1, 14, 26]) == [2, 15, 27]
+    # 3 taps = vLLM's default aux ids (2, L//2, L-3) shifted into our convention
+    assert to_vllm_aux_ids(default_taps(30)) == [2, 15, 27]
+    assert default_taps(36, 5) == [1, 9, 17, 25, 33]  # DeepSpec's Qwen3-4B/8B taps
+
+
+@pytest.mark.slow
+def test_embedded_target_answers_gsm8k_question(smollm2_dir):
+    from deepspec.targets import load_target
+
+    target = load_target("smollm2-135m-instruct", device="cpu")
+    cfg = target.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert (smollm2_dir / "model.safetensors").is_file() and (smollm2_dir / "tokenizer.json").is_file()
+    tok = target.tokenizer
+    q = "Tom has 3 apples and buys 5 more. How many apples does Tom have now?"
+    enc = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = target.model.generate(**enc, max_new_tokens=60, do_sample=False)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "8" in answer and "apple" in answer.lower(), answer
