@@ -1,0 +1,130 @@
+"""The contract every draft algorithm implements, and the batch it trains on.
+
+An algorithm is one module (eagle3.py, dflash.py, dspark.py) with one `DraftModel` subclass
+registered under its name. The trainer, the evaluator, the cache and export only talk to this
+interface, so adding an algorithm touches none of them.
+
+Alignment conventions (pinned by golden tests):
+  * `DraftBatch.taps[b, t]` are the target's tap features *at* position t (produced while
+    reading token t); `final_hidden[b, t]` maps through the frozen LM head to the target's
+    distribution over token t+1.
+  * `Proposer.propose` receives every committed token and the target features of the
+    positions the draft has not seen yet; see its docstring.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from deepspec.config.model import ModelConfig
+
+
+@dataclass
+class DraftBatch:
+    """A right-padded training batch of cached (or online) target features."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool: assistant tokens (the ones a draft should predict)
+    attention_mask: torch.Tensor  # [B, T] bool: real (non-padding) tokens
+    taps: torch.Tensor  # [B, T, n_taps, H_target] float: tap features in model.target_layer_ids order
+    final_hidden: torch.Tensor  # [B, T, H_target] float: target's final normed hidden state
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DraftBatch":
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if dtype is not None and v.is_floating_point():
+                v = v.to(device=device, dtype=dtype, non_blocking=True)
+            else:
+                v = v.to(device=device, non_blocking=True)
+            out[f.name] = v
+        return DraftBatch(**out)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+# Metrics are (numerator, denominator) pairs so ranks reduce them token-weighted:
+# value = all_reduce(num) / all_reduce(den). Names are the project's metric names
+# (e.g. "acc_cond@1" conditional acceptance, "expected_tau"), never a bare "accept_rate".
+Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Proposer(ABC):
+    """Per-sequence decoding state of a draft (KV cache etc.), used by the evaluator."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything (new prompt)."""
+
+    @abstractmethod
+    def propose(
+        self,
+        input_ids: torch.Tensor,
+        new_taps: torch.Tensor,
+        start: int,
+        num_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Propose up to `num_tokens` tokens after `input_ids`.
+
+        input_ids: [L] every committed token (prompt + accepted + the last token the target
+            sampled, which the target has not processed yet).
+        new_taps: [L-1-start, n_taps, H_target] target tap features for positions start..L-2;
+            the proposer has seen positions < start in earlier calls and must drop any state
+            it holds for positions >= start (rejected drafts) before using these.
+        Returns (tokens [k] int64 in *target* vocabulary ids, probs [k, V_target] float32 =
+        the draft distribution each token was drawn from; one-hot at temperature 0), k <= num_tokens.
+        """
+
+
+class DraftModel(nn.Module, ABC):
+    """A trainable draft. Frozen target embeddings / LM head are buffers, never parameters."""
+
+    algorithm: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_target_config(cls, target_config: Any, model_cfg: "ModelConfig") -> "DraftModel":
+        """Build a randomly initialised draft sized from the target's HF config and the recipe."""
+
+    @abstractmethod
+    def load_target_weights(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Copy the target's embedding [V, H] and LM head [V, H] into frozen buffers."""
+
+    def set_token_frequencies(self, counts: torch.Tensor) -> None:
+        """Loss-masked token counts [V_target] from the training data (builds d2t/t2d where used)."""
+
+    @abstractmethod
+    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, Metrics]:
+        """Training loss (scalar, mean over this rank's supervised tokens) and metrics."""
+
+    @abstractmethod
+    def proposer(self) -> Proposer:
+        """A fresh decoding state for one sequence."""
+
+    @abstractmethod
+    def export_config(self) -> dict[str, Any]:
+        """deepspec's own config.json for this draft (architecture + sizes + algorithm fields)."""
+
+    # Checkpoint I/O lives in deepspec/drafts/checkpoint.py; export writers in deepspec/export/.
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers except the frozen target copies (re-loaded from the target)."""
+    frozen = {name for name, _ in model.named_buffers() if name.split(".")[-1] in ("target_embed", "target_lm_head")}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def default_checkpoint_files(directory: str | Path) -> tuple[Path, Path]:
+    d = Path(directory)
+    return d / "config.json", d / "model.safetensors"
