@@ -1,0 +1,151 @@
+"""Batch-1 decoding with an HF target: target-only (the baseline) and speculative (target + Proposer).
+
+Both loops keep the target's KV cache in a `DynamicCache`, so the timing comparison is fair:
+the baseline runs one token per forward, the speculative loop verifies 1 + k tokens per forward.
+After a verify round the cache is cropped to the committed tokens (rejected drafts are dropped),
+and only tap features of committed positions are handed to the proposer, as its contract says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from deepspec.drafts.base import Proposer
+from deepspec.eval.metrics import AcceptanceStats
+from deepspec.eval.sampling import next_token, verify
+from deepspec.targets.taps import select_taps
+
+
+@dataclass
+class Generation:
+    """One generated answer: token ids (without the prompt), wall-clock seconds, verify rounds."""
+
+    tokens: list[int]
+    seconds: float
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    stopped_by_eos: bool = False
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """Every id that ends an answer: the generation config's eos ids plus the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward(model, ids: torch.Tensor, cache, hidden: bool):
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+    return out, cache
+
+
+@torch.inference_mode()
+def generate_target_only(
+    model,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """The target alone, one token per forward with a KV cache (the speed baseline)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out, cache = _forward(model, ids, None, hidden=False)
+    tokens: list[int] = []
+    stopped = False
+    while True:
+        tok = next_token(out.logits[0, -1], temperature, generator)
+        tokens.append(tok)
+        if tok in eos_ids:
+            stopped = True
+            break
+        if len(tokens) >= max_new_tokens:
+            break
+        out, cache = _forward(model, torch.tensor([tok], device=device), cache, hidden=False)
+    _sync(device)
+    return Generation(tokens, time.perf_counter() - t0, stopped_by_eos=stopped)
+
+
+@torch.inference_mode()
+def generate_speculative(
+    model,
+    proposer: Proposer,
+    taps: Sequence[int],
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Speculative decoding of one answer; returns the tokens and the per-round acceptance counters.
+
+    Lossless: at T=0 the tokens equal the target's greedy tokens; at T>0 they are distributed as the
+    target's samples (exact rejection sampling in `verify`).
+    A round whose accepted drafts contain EOS stops there; drafts after it are not counted as checked.
+    """
+    device = next(model.parameters()).device
+    prompt = list(prompt_ids)
+    stats = AcceptanceStats()
+    proposer.reset()
+    _sync(device)
+    t0 = time.perf_counter()
+    out, cache = _forward(model, torch.tensor(prompt, dtype=torch.long, device=device), None, hidden=True)
+    new_taps = select_taps(out.hidden_states, taps)[0]  # [P, n_taps, H]: positions 0..P-1
+    first = next_token(out.logits[0, -1], temperature, generator)
+    committed = prompt + [first]
+    tokens = [first]
+    seen = 0  # positions whose tap features the proposer has received
+    stopped = first in eos_ids
+    while not stopped and len(tokens) < max_new_tokens:
+        ids = torch.tensor(committed, dtype=torch.long, device=device)
+        drafts, q = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=temperature, generator=generator)
+        seen = len(committed) - 1
+        drafts = drafts.to(device=device, dtype=torch.long).reshape(-1)[:num_draft_tokens]
+        k = int(drafts.shape[0])
+        # verify: one forward over [last committed token, drafts]; logits row i is the target before draft i+1
+        verify_in = torch.cat([ids[-1:], drafts])
+        out, cache = _forward(model, verify_in, cache, hidden=True)
+        n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator)
+        accepted = drafts[:n].tolist()
+        checked = k
+        # stop inside the accepted drafts at the first EOS: drafts after it were never really checked
+        for j, tok in enumerate(accepted):
+            if tok in eos_ids:
+                accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
+                break
+        new = accepted if stopped else accepted + [emitted]
+        stopped = stopped or emitted in eos_ids
+        room = max_new_tokens - len(tokens)
+        stats.add_round(checked, n, min(len(new), room))
+        new = new[:room]
+        tokens.extend(new)
+        committed.extend(new)
+        # keep the target cache for committed positions that it has processed (all but the newest token)
+        cache.crop(len(committed) - 1)
+        # tap features for the newly committed, target-processed positions: the input token + accepted drafts
+        new_taps = select_taps(out.hidden_states, taps)[0, : len(committed) - 1 - seen]
+    _sync(device)
+    return Generation(tokens, time.perf_counter() - t0, stats, stopped_by_eos=bool(tokens) and tokens[-1] in eos_ids)

@@ -1,0 +1,76 @@
+"""Exact speculative sampling: verify a chain of draft tokens against the target's distributions.
+
+For each draft token x_i drawn from the draft's q_i, accept with probability min(1, p_i(x_i) / q_i(x_i));
+at the first rejection emit a token from the residual norm(max(p_i - q_i, 0)); if every draft passes,
+emit a bonus token from p_{k+1}. The emitted sequence is then distributed exactly as the target's own
+samples (Leviathan et al. 2023, Chen et al. 2023) — which is what makes speculative decoding lossless.
+At temperature 0 the rule becomes "accept while the draft equals the target's argmax".
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as DeepSpec and vLLM treat them)
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_EPS
+
+
+def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Softmax of logits / T in float32 (the distribution the target samples from)."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [V] probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The target's own next token from [V] logits: argmax at T=0, else a sample."""
+    if is_greedy(temperature):
+        return int(logits.argmax().item())
+    return sample(target_probs(logits, temperature), generator)
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Check k draft tokens; return (number accepted, the token the target emits after them).
+
+    draft_tokens: [k] int64; draft_probs: [k, V] the distributions they were drawn from (unused at T=0);
+    target_logits: [k+1, V] — row i is the target's next-token logits before draft i+1, row k the bonus.
+    """
+    k = int(draft_tokens.shape[0])
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"target_logits must have k+1={k + 1} rows, got {target_logits.shape[0]}")
+    if is_greedy(temperature):
+        best = target_logits.argmax(dim=-1)
+        matches = (best[:k] == draft_tokens.to(best.device)).long()
+        n = int(matches.cumprod(0).sum().item()) if k else 0
+        return n, int(best[n].item())
+    if draft_probs is None:
+        raise ValueError("temperature sampling needs the draft's probabilities")
+    p = target_probs(target_logits, temperature)  # [k+1, V]
+    q = draft_probs.to(device=p.device, dtype=torch.float32)
+    tokens = draft_tokens.to(p.device)
+    if k:
+        idx = torch.arange(k, device=p.device)
+        p_x, q_x = p[idx, tokens], q[idx, tokens]
+        u = torch.rand(k, generator=generator, device=p.device)
+        ok = (u * q_x < p_x).long()  # u < p/q without dividing (q=0 cannot have been sampled)
+        n = int(ok.cumprod(0).sum().item())
+    else:
+        n = 0
+    if n == k:
+        return n, sample(p[k], generator)
+    residual = (p[n] - q[n]).clamp_min(0)
+    total = residual.sum()
+    # p == q exactly leaves no residual, but then a rejection has probability 0; guard rounding anyway
+    return n, sample(residual / total if total > 0 else p[n], generator)
