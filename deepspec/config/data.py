@@ -21,6 +21,8 @@ class PromptsConfig:
     strict: bool = False
     # Only the first user turn of each conversation (faster regeneration on CPU).
     first_turn_only: bool = False
+    # Drop prompts whose system + user text is longer than this (keeps CPU recipes inside the context).
+    max_prompt_chars: int | None = None
 
 
 @dataclass
@@ -63,7 +65,9 @@ class CacheConfig:
     # `offline`: hidden states are cached on disk; `online`: the trainer runs the target itself.
     mode: Literal["offline", "online"] = "offline"
     dir: str = ""  # empty = <output_root>/<project>/cache
-    dtype: Literal["bf16", "fp8"] = "bf16"
+    # Storage dtype of cached features: bf16, or fp8 e4m3 with a per-token-per-layer scale
+    # (about half the bytes); fp32 is exact and meant for golden tests.
+    dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
     max_length: int = 2048
     min_loss_tokens: int = 8
     shard_bytes: int = 512 * 1024 * 1024

@@ -1,17 +1,21 @@
-"""Placeholder for the prompts stage (issue 3): argument parsing exists, the stage itself is not built yet."""
+"""`deepspec data prompts CONFIG`: collect prompts into conversations.jsonl + a held-out split."""
 
 from __future__ import annotations
 
 import argparse
 
 from deepspec.cli import add_config_arguments, config_from_args
-from deepspec.errors import DeepSpecError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    parser.add_argument("--strict", action="store_true", help="refuse the source if any record is invalid (default: skip and count)")
+    parser.add_argument("--overwrite", action="store_true", help="rebuild even if the output is complete")
 
 
 def main(args: argparse.Namespace) -> int:
-    config_from_args(args)
-    raise DeepSpecError("This stage is not implemented yet (the prompts stage (issue 3)); see the open issues.")
+    from deepspec.data.prompts import build_prompts
+
+    cfg = config_from_args(args)
+    build_prompts(cfg, strict=True if args.strict else None, overwrite=args.overwrite)
+    return 0
