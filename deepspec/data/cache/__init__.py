@@ -1,1 +1,26 @@
-"""data cache stage."""
+"""The target hidden-state cache: writer (plan/capture/finalize), reader, sampler, online mode.
+
+Import the pieces from their modules (they import torch lazily); this package only names them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "build_cache": "writer", "plan_split": "writer", "estimate": "writer", "resolve_taps": "writer",
+    "is_complete": "format", "load_manifest": "format", "check_manifest": "format",
+    "CacheDataset": "reader", "collate": "reader", "open_cache": "reader", "expected_provenance": "reader",
+    "ResumableBatchSampler": "sampler",
+    "OnlineDataset": "online", "OnlineFeatures": "online",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"deepspec.data.cache.{_EXPORTS[name]}"), name)
+    raise AttributeError(name)

@@ -1,17 +1,41 @@
-"""Placeholder for the cache stage (issue 4): argument parsing exists, the stage itself is not built yet."""
+"""`deepspec data cache CONFIG [--opts ...] [--estimate] [--overwrite] [--nproc N] [--split ...]`.
+
+Builds the train cache and, when regenerated.heldout.jsonl exists, the held-out cache. Rerunning
+resumes an interrupted build; a complete cache with the same settings is skipped.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from deepspec.cli import add_config_arguments, config_from_args
-from deepspec.errors import DeepSpecError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    parser.add_argument("--estimate", action="store_true", help="print the bytes the cache will take and exit (writes nothing)")
+    parser.add_argument("--overwrite", action="store_true", help="delete any existing cache for these splits and start over")
+    parser.add_argument("--nproc", type=int, default=None, help="CPU worker processes (default cache.num_workers; under torchrun: one per rank)")
+    parser.add_argument("--split", choices=["train", "heldout", "all"], default="all", help="which split(s) to build")
+
+
+def splits_to_build(cfg, which: str = "all") -> list[str]:
+    """train always; heldout when asked for or (with `all`) when its regenerated file exists."""
+    if which != "all":
+        return [which]
+    return ["train"] + (["heldout"] if cfg.regenerated_heldout_path.is_file() else [])
 
 
 def main(args: argparse.Namespace) -> int:
-    config_from_args(args)
-    raise DeepSpecError("This stage is not implemented yet (the cache stage (issue 4)); see the open issues.")
+    from deepspec.data.cache.writer import build_cache, estimate, plan_split
+
+    cfg = config_from_args(args)
+    splits = splits_to_build(cfg, args.split)
+    if args.estimate:
+        for split in splits:
+            print(json.dumps(estimate(plan_split(cfg, split))))
+        return 0
+    for split in splits:
+        build_cache(cfg, split, overwrite=args.overwrite, nproc=args.nproc)
+    return 0

@@ -1,0 +1,88 @@
+"""Online mode: the same DraftBatch as the cache path, computed on the fly by a co-located target.
+
+No disk, no cache build: the trainer iterates `OnlineDataset` (token ids + loss masks from
+chat.py, exactly as the cache writer tokenizes) with the same `ResumableBatchSampler`, and
+`OnlineFeatures.collate` runs the target once per batch to fill taps and the final hidden
+state. Features are float32 straight from the target (the cache rounds them to bf16/fp8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from deepspec.data.cache.writer import Sample, read_conversations, resolve_taps, sample_features
+from deepspec.data.chat import render_conversation
+
+
+class OnlineDataset:
+    """Tokenized conversations of a regenerated.jsonl, filtered like the cache (min_loss_tokens, max_length)."""
+
+    def __init__(self, path: str | Path, tokenizer, *, chat_template_kwargs: dict[str, Any] | None = None,
+                 max_length: int = 2048, min_loss_tokens: int = 8):
+        self.samples: list[Sample] = []
+        self.dropped_short = 0
+        for sid, messages in read_conversations(Path(path)):
+            r = render_conversation(tokenizer, messages, chat_template_kwargs, max_length)
+            if sum(r.loss_mask) < min_loss_tokens:
+                self.dropped_short += 1
+                continue
+            self.samples.append(Sample(sid, np.asarray(r.input_ids, np.int32), np.asarray(r.loss_mask, np.uint8), r.truncated))
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, split: str = "train") -> "OnlineDataset":
+        path = cfg.regenerated_path if split == "train" else cfg.regenerated_heldout_path
+        return cls(path, tokenizer, chat_template_kwargs=cfg.target.chat_template_kwargs,
+                   max_length=cfg.cache.max_length, min_loss_tokens=cfg.cache.min_loss_tokens)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(s.input_ids) for s in self.samples], dtype=np.int64)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+
+class OnlineFeatures:
+    """Turns a list of `Sample`s into a DraftBatch by running the target (use as a DataLoader collate_fn
+    with num_workers=0, or call it in the training step where the target lives)."""
+
+    def __init__(self, model, taps: Sequence[int], *, max_batch_tokens: int | None = None, pad_token_id: int = 0):
+        self.model = model
+        self.taps = list(taps)
+        self.max_batch_tokens = max_batch_tokens
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_config(cls, cfg, target) -> "OnlineFeatures":
+        taps = resolve_taps(cfg, target.config.num_hidden_layers)
+        return cls(target.model, taps, max_batch_tokens=cfg.cache.batch_tokens)
+
+    def features(self, samples: Sequence[Sample]) -> list[dict[str, Any]]:
+        """Per-sample dicts shaped exactly like CacheDataset items."""
+        import torch
+
+        from deepspec.data.cache.writer import _batches
+
+        out = []
+        groups = _batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
+        n = len(self.taps)
+        for group in groups:
+            for s, feats in sample_features(self.model, group, self.taps):
+                out.append({
+                    "input_ids": torch.from_numpy(s.input_ids.astype(np.int64)),
+                    "loss_mask": torch.from_numpy(s.loss_mask.astype(bool)),
+                    "taps": feats[:, :n],
+                    "final_hidden": feats[:, n],
+                })
+        return out
+
+    def __call__(self, samples: Sequence[Sample]):
+        from deepspec.data.cache.reader import collate
+
+        return collate(self.features(samples), pad_token_id=self.pad_token_id)

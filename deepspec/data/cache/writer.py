@@ -1,0 +1,434 @@
+"""Building a cache: plan (tokenize + split into shards), capture (run the target), finalize.
+
+Why a plan first: tokenizing is cheap next to the target forward, and knowing every sample's
+length up front fixes the shard boundaries as a pure function of (data, settings). So
+  * `--estimate` is exact and writes nothing;
+  * N workers can take shards i ≡ rank (mod N) and still produce the very cache a single
+    worker does (same shards, same batches inside each shard);
+  * a rerun after a crash skips every shard whose index file exists (a shard's `.bin` is
+    renamed into place before its index is written, so an index implies a complete shard).
+The manifest is written last, atomically; until then `is_complete` is False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deepspec import __version__
+from deepspec.data.cache import format as fmt
+from deepspec.data.chat import render_conversation
+from deepspec.errors import CacheError, DataError
+from deepspec.log import get_logger, progress
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    truncated: bool
+
+
+@dataclass
+class Plan:
+    """Everything a worker needs, fixed before any target forward."""
+
+    signature: dict[str, Any]
+    samples: list[Sample]
+    shards: list[tuple[int, int]]  # [start, end) into samples
+    counts: dict[str, int]
+    n_layers: int  # stored feature rows per token = n_taps + 1
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def shard_bytes(self, s: int) -> int:
+        a, b = self.shards[s]
+        return sum(fmt.record_nbytes(len(x.input_ids), self.n_layers, self.hidden_size, self.dtype) for x in self.samples[a:b])
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_bytes(s) for s in range(len(self.shards)))
+
+
+def split_paths(cfg, split: str) -> tuple[Path, Path]:
+    if split == "train":
+        return cfg.regenerated_path, cfg.cache_train_dir
+    if split == "heldout":
+        return cfg.regenerated_heldout_path, cfg.cache_heldout_dir
+    raise CacheError(f"Unknown cache split {split!r}; use 'train' or 'heldout'.")
+
+
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def read_conversations(path: Path):
+    """Yield (id, messages) from regenerated.jsonl; a malformed line is a DataError naming it."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                messages = rec["conversations"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{lineno} is not a conversation record ({e}); expected {{\"id\", \"conversations\"}}.") from None
+            yield str(rec.get("id", lineno - 1)), messages
+
+
+def resolve_taps(cfg, num_layers: int) -> list[int]:
+    """The taps to cache: model.target_layer_ids, or the default spread for this depth."""
+    from deepspec.targets import default_taps, validate_taps
+
+    taps = list(cfg.model.target_layer_ids) or default_taps(num_layers)
+    return validate_taps(taps, num_layers)
+
+
+def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
+    """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes."""
+    from deepspec.targets import template_hash
+
+    src, _ = split_paths(cfg, split)
+    if not Path(src).is_file():
+        raise DataError(f"{src} does not exist; run `deepspec data regenerate` first (or set data.dir).")
+    cc = cfg.cache
+    taps = resolve_taps(cfg, target_config.num_hidden_layers)
+    hidden = target_config.hidden_size
+    n_layers = len(taps) + 1
+    samples: list[Sample] = []
+    counts = dict(input=0, dropped_short=0, truncated=0, samples=0, tokens=0, loss_tokens=0)
+    for sid, messages in progress(read_conversations(Path(src)), desc=f"tokenize {split}", unit="conv"):
+        counts["input"] += 1
+        r = render_conversation(tokenizer, messages, cfg.target.chat_template_kwargs, cc.max_length)
+        n_loss = sum(r.loss_mask)
+        if n_loss < cc.min_loss_tokens:
+            counts["dropped_short"] += 1
+            continue
+        counts["truncated"] += int(r.truncated)
+        samples.append(Sample(sid, np.asarray(r.input_ids, np.int32), np.asarray(r.loss_mask, np.uint8), r.truncated))
+        counts["samples"] += 1
+        counts["tokens"] += len(r.input_ids)
+        counts["loss_tokens"] += n_loss
+    if not samples:
+        raise DataError(
+            f"No sample in {src} has >= cache.min_loss_tokens={cc.min_loss_tokens} assistant tokens "
+            f"({counts['input']} read); check the file or lower cache.min_loss_tokens."
+        )
+    shards: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, s in enumerate(samples):
+        nb = fmt.record_nbytes(len(s.input_ids), n_layers, hidden, cc.dtype)
+        if i > start and size + nb > cc.shard_bytes:
+            shards.append((start, i))
+            start, size = i, 0
+        size += nb
+    shards.append((start, len(samples)))
+    signature = {
+        "format_version": fmt.FORMAT_VERSION,
+        "split": split,
+        "target": cfg.target.name,
+        "target_revision": cfg.target.revision,
+        "target_dtype": cfg.target.dtype,
+        "template_hash": template_hash(tokenizer),
+        "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),
+        "taps": taps,
+        "hidden_size": hidden,
+        "dtype": cc.dtype,
+        "max_length": cc.max_length,
+        "min_loss_tokens": cc.min_loss_tokens,
+        "shard_bytes": cc.shard_bytes,
+        "batch_tokens": cc.batch_tokens,
+        "data_hash": file_hash(Path(src)),
+    }
+    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
+    return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta={"data_path": str(src)})
+
+
+def estimate(plan: Plan) -> dict[str, Any]:
+    total = plan.total_bytes
+    return {
+        "split": plan.signature["split"],
+        "samples": plan.counts["samples"],
+        "tokens": plan.counts["tokens"],
+        "dropped_short": plan.counts["dropped_short"],
+        "truncated": plan.counts["truncated"],
+        "shards": len(plan.shards),
+        "dtype": plan.dtype,
+        "bytes": total,
+        "bytes_per_token": total / max(1, plan.counts["tokens"]),
+        "gib": round(total / 2**30, 4),
+    }
+
+
+# ---------------------------------------------------------------------------------- capture
+
+
+def _batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
+    """Consecutive samples whose padded size (n * longest) stays <= batch_tokens (>= 1 sample)."""
+    out: list[list[Sample]] = []
+    cur: list[Sample] = []
+    longest = 0
+    for s in samples:
+        t = len(s.input_ids)
+        if cur and (len(cur) + 1) * max(longest, t) > batch_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(s)
+        longest = max(longest, t)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def sample_features(model, batch: list[Sample], taps: list[int]):
+    """Run the target on a right-padded batch: yields per-sample features [T, n_taps + 1, H] (float32)."""
+    import torch
+
+    from deepspec.targets import capture
+
+    device = next(model.parameters()).device
+    T = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    att = torch.zeros(len(batch), T, dtype=torch.long)
+    for b, s in enumerate(batch):
+        ids[b, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
+        att[b, : len(s.input_ids)] = 1
+    # No mask for a single sample: the exact computation HF does for an unpadded sequence.
+    mask = att.to(device) if len(batch) > 1 else None
+    tap_h, final = capture(model, ids.to(device), taps, attention_mask=mask)
+    feats = torch.cat([tap_h, final.unsqueeze(2)], dim=2).float().cpu()
+    for b, s in enumerate(batch):
+        yield s, feats[b, : len(s.input_ids)]
+
+
+def _write_shard(directory: Path, plan: Plan, s: int, model, bar) -> None:
+    a, b = plan.shards[s]
+    samples = plan.samples[a:b]
+    taps = plan.signature["taps"]
+    bin_path = directory / fmt.shard_name(s)
+    tmp = bin_path.with_name(bin_path.name + ".tmp")
+    rows = np.zeros(len(samples), dtype=fmt.INDEX_DTYPE)
+    counts = np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
+    offset, i = 0, 0
+    with open(tmp, "wb") as f:
+        for batch in _batches(samples, plan.signature["batch_tokens"]):
+            for sample, feats in sample_features(model, batch, taps):
+                data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
+                f.write(data)
+                n_loss = int(sample.loss_mask.sum())
+                rows[i] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
+                lm = sample.input_ids[sample.loss_mask.astype(bool)]
+                if len(lm) and lm.max() >= len(counts):
+                    counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
+                np.add.at(counts, lm, 1)
+                offset += len(data)
+                i += 1
+            bar.update(sum(len(x.input_ids) for x in batch))
+            bar.bytes_written += sum(int(r["nbytes"]) for r in rows[i - len(batch) : i])
+            bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, bin_path)
+    fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
+    fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)  # last: marks the shard done
+
+
+def shard_done(directory: Path, plan: Plan, s: int) -> bool:
+    idx, bin_path = directory / f"shard_{s:05d}.idx.npy", directory / fmt.shard_name(s)
+    return idx.is_file() and bin_path.is_file() and bin_path.stat().st_size == plan.shard_bytes(s)
+
+
+def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str | None = None, cfg=None) -> int:
+    """Capture every unfinished shard s with s % world == rank; returns how many were written."""
+    todo = [s for s in range(len(plan.shards)) if s % world == rank and not shard_done(directory, plan, s)]
+    skipped = sum(1 for s in range(len(plan.shards)) if s % world == rank) - len(todo)
+    if skipped:
+        log.info("rank %d: %d shard(s) already complete, %d to write", rank, skipped, len(todo))
+    if not todo:
+        return 0
+    from deepspec.targets import load_target_from_config
+
+    if device is None:
+        import torch
+
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    target = load_target_from_config(cfg.target, device=device)
+    total_tokens = sum(len(x.input_ids) for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
+    bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
+    bar.bytes_written = 0
+    try:
+        for s in todo:
+            _write_shard(directory, plan, s, target.model, bar)
+    finally:
+        bar.close()
+    return len(todo)
+
+
+def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[str, Any]:
+    """Merge per-shard indices and counts, then write the manifest (atomically, last)."""
+    rows, counts = [], np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
+    for s in range(len(plan.shards)):
+        if not shard_done(directory, plan, s):
+            raise CacheError(f"Shard {s} of {directory} is missing after all workers finished; rerun the same command to resume.")
+        rows.append(np.load(directory / f"shard_{s:05d}.idx.npy"))
+        c = np.load(directory / f"shard_{s:05d}.counts.npy")
+        if len(c) > len(counts):
+            counts = np.pad(counts, (0, len(c) - len(counts)))
+        counts[: len(c)] += c
+    index = np.concatenate(rows)
+    fmt.write_npy_atomic(directory / fmt.INDEX, index)
+    fmt.write_npy_atomic(directory / fmt.TOKEN_COUNTS, counts)
+    fmt.write_json_atomic(directory / fmt.IDS, [s.id for s in plan.samples])
+    sig = plan.signature
+    manifest = {
+        **provenance,
+        **sig,
+        "deepspec_version": __version__,
+        "capture_backend": "hf",
+        "layout": "features[T, n_taps + 1, H]: taps in `taps` order, then the final normed hidden state",
+        "num_shards": len(plan.shards),
+        "counts": plan.counts,
+        "bytes": int(index["nbytes"].sum()),
+        "data_path": plan.meta.get("data_path"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    fmt.write_json_atomic(directory / fmt.MANIFEST, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------- driver
+
+
+def _plan_check(directory: Path, plan: Plan) -> None:
+    """A half-built cache may only be resumed with the same settings and data."""
+    path = directory / fmt.PLAN
+    if not path.is_file():
+        fmt.write_json_atomic(path, plan.signature)
+        return
+    old = json.loads(path.read_text())
+    diffs = [k for k in sorted(set(old) | set(plan.signature)) if old.get(k) != plan.signature.get(k)]
+    if diffs:
+        raise CacheError(
+            f"{directory} holds a cache started with different settings ({', '.join(diffs)} differ); "
+            "rerun with --overwrite to rebuild it, or set cache.dir elsewhere."
+        )
+
+
+def _spawned_worker(rank: int, world: int, directory: str, plan: Plan, cfg, threads: int) -> None:
+    import torch
+
+    from deepspec.log import setup_logging
+
+    os.environ["RANK"] = str(rank)
+    setup_logging()
+    torch.set_num_threads(threads)
+    write_shards(Path(directory), plan, rank, world, device="cpu", cfg=cfg)
+
+
+def _load_plan_inputs(cfg):
+    from transformers import AutoConfig
+
+    from deepspec.targets import load_tokenizer, resolve_target_path
+
+    tokenizer = load_tokenizer(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
+    tconf = AutoConfig.from_pretrained(
+        resolve_target_path(cfg.target.name), revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    tconf = getattr(tconf, "text_config", None) or tconf
+    return tokenizer, tconf
+
+
+def plan_split(cfg, split: str) -> Plan:
+    tokenizer, tconf = _load_plan_inputs(cfg)
+    return make_plan(cfg, split, tokenizer, tconf)
+
+
+def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: int | None = None) -> Path:
+    """Build (or resume) the cache of one split; returns its directory. Skips a complete matching cache.
+
+    Workers: under torchrun (WORLD_SIZE > 1) each rank takes its shards and rank 0 finalizes;
+    otherwise `nproc` (default cache.num_workers) CPU processes are spawned."""
+    from deepspec.config import save_config
+
+    _, directory = split_paths(cfg, split)
+    directory = Path(directory)
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    rank_env = int(os.environ.get("RANK", "0"))
+    if overwrite and directory.exists() and rank_env == 0:
+        shutil.rmtree(directory)
+    if world_env > 1:
+        _barrier()
+    tokenizer, tconf = _load_plan_inputs(cfg)
+    plan = make_plan(cfg, split, tokenizer, tconf)
+    if fmt.is_complete(directory):
+        manifest = fmt.load_manifest(directory)
+        diffs = [k for k, v in plan.signature.items() if manifest.get(k) != v]
+        if not diffs:
+            log.info("cache %s is complete; skipping (use --overwrite to rebuild)", directory)
+            return directory
+        raise CacheError(
+            f"{directory} holds a complete cache built with different settings ({', '.join(diffs)} differ); "
+            "rerun with --overwrite to rebuild it."
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    if rank_env == 0:
+        _plan_check(directory, plan)
+    est = estimate(plan)
+    log.info(
+        "cache %s: %d samples, %d tokens (%d dropped < %d loss tokens, %d truncated) -> %.3f GiB in %d shard(s)",
+        split, est["samples"], est["tokens"], est["dropped_short"], cfg.cache.min_loss_tokens, est["truncated"], est["gib"], est["shards"],
+    )
+    if world_env > 1:
+        _barrier()
+        _plan_check(directory, plan)
+        write_shards(directory, plan, rank_env, world_env, cfg=cfg)
+        _barrier()
+    else:
+        nproc = nproc or cfg.cache.num_workers or 1
+        if nproc <= 1:
+            write_shards(directory, plan, 0, 1, cfg=cfg)
+        else:
+            import torch.multiprocessing as mp
+
+            threads = max(1, (os.cpu_count() or 1) // nproc)
+            mp.spawn(_spawned_worker, args=(nproc, str(directory), plan, cfg, threads), nprocs=nproc, join=True)
+    if rank_env == 0:
+        target_id = {
+            "target_architecture": (getattr(tconf, "architectures", None) or ["?"])[0],
+            "target_num_layers": tconf.num_hidden_layers,
+            "vocab_size": plan.vocab_size,
+        }
+        finalize(directory, plan, target_id)
+        save_config(cfg, directory)
+        log.info("cache %s complete: %s", split, directory)
+    if world_env > 1:
+        _barrier()
+    return directory
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        import torch
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.barrier()
