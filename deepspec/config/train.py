@@ -11,27 +11,40 @@ from deepspec.errors import ConfigError
 @dataclass
 class TrainConfig:
     output_root: str = "checkpoints"
+    # `muon`: Muon for 2-D hidden weight matrices, AdamW for everything else (as DFlash recipes do).
     optimizer: Literal["adamw", "muon"] = "adamw"
     lr: float = 6e-4
+    # Muon's learning rate; null = `lr` (Muon's update is RMS-matched to AdamW's, so one lr fits both).
+    muon_lr: float | None = None
+    muon_momentum: float = 0.95
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     epochs: float = 10.0
     max_steps: int | None = None
+    # Samples per optimizer step over all workers; accumulation = global / (world x micro).
     global_batch_size: int = 512
     micro_batch_size: int = 1
+    # Optional cap on padded tokens per micro-batch (long samples then go alone).
     max_tokens_per_batch: int | None = None
+    # `length`: sort each global batch by length before cutting micro-batches (minimal padding).
+    bucketing: Literal["length", "none"] = "length"
     grad_clip: float = 1.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    # `auto`: bf16 autocast on GPU, fp32 on CPU.
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     compile: bool = False
     num_workers: int = 0
     seed: int = 0
     save_every: int = 500
     keep_last: int = 3
+    # Resume from <run_dir>/step_latest when it exists.
+    resume: bool = True
     val_every: int = 500
     val_max_samples: int = 64
+    val_batch_size: int = 4
     log_every: int = 10
 
     def validate(self) -> None:
@@ -41,12 +54,21 @@ class TrainConfig:
             raise ConfigError("train.global_batch_size and train.micro_batch_size must be >= 1.")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
+        if len(self.betas) != 2:
+            raise ConfigError(f"train.betas needs two numbers (beta1, beta2), got {self.betas}.")
+        if self.keep_last < 1:
+            raise ConfigError(f"train.keep_last must be >= 1, got {self.keep_last}.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}.")
 
 
 @dataclass
 class LoggingConfig:
     wandb: bool = True
+    # `offline` writes a local run under <run_dir>/wandb (sync later with `wandb sync`).
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str | None = None
     wandb_entity: str | None = None
     tensorboard: bool = True
+    # Console progress bar with loss, tokens/s and ETA.
+    progress: bool = True

@@ -1,17 +1,30 @@
-"""Placeholder for the trainer (issue 6): argument parsing exists, the stage itself is not built yet."""
+"""`deepspec train CONFIG [--opts ...]`: train in this process (one worker).
+
+For several workers use `bash scripts/train/train.sh CONFIG --nproc N` (or one per GPU), or
+`--nproc N` here, which starts them through torchrun.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from deepspec.cli import add_config_arguments, config_from_args
-from deepspec.errors import DeepSpecError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    parser.add_argument("--nproc", type=int, default=1, help="number of workers (>1 starts them with torchrun)")
 
 
 def main(args: argparse.Namespace) -> int:
-    config_from_args(args)
-    raise DeepSpecError("This stage is not implemented yet (the trainer (issue 6)); see the open issues.")
+    cfg = config_from_args(args)
+    if args.nproc > 1:
+        from deepspec.train import launch
+
+        out = launch(cfg, args.nproc)
+    else:
+        from deepspec.train import train
+
+        out = train(cfg)
+    print(out)
+    return 0

@@ -1,0 +1,97 @@
+"""Which samples each worker trains on at each step: a pure function of (seed, step).
+
+The global batch of step s is a slice of a per-epoch permutation (seeded by seed + epoch), so
+the order does not depend on the number of workers: resuming on another worker count with the
+same global batch trains on exactly the same samples. Each global batch is sorted by length
+(`bucketing: length`) and cut into micro-batches, so padding stays small; micro-batch i goes
+to worker i % world as its (i // world)-th accumulation step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from deepspec.drafts.base import DraftBatch
+from deepspec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    num_samples: int
+    global_batch: int
+    micro_batch: int
+    world: int
+    seed: int
+    bucketing: str = "length"
+
+    def __post_init__(self) -> None:
+        per_step = self.world * self.micro_batch
+        if self.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch} is not divisible by workers x micro batch = "
+                f"{self.world} x {self.micro_batch} = {per_step}; change global_batch_size, micro_batch_size or the worker count."
+            )
+        if self.num_samples < self.global_batch:
+            raise ConfigError(
+                f"The training cache has {self.num_samples} samples, fewer than train.global_batch_size="
+                f"{self.global_batch}; lower the global batch or cache more data."
+            )
+
+    @property
+    def accum_steps(self) -> int:
+        return self.global_batch // (self.world * self.micro_batch)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch  # the incomplete last batch is dropped
+
+    def global_indices(self, step: int) -> list[int]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        perm = torch.randperm(self.num_samples, generator=g)
+        return perm[within * self.global_batch : (within + 1) * self.global_batch].tolist()
+
+    def micro_batches(self, step: int, rank: int, lengths: Sequence[int] | None) -> list[list[int]]:
+        """This worker's accumulation micro-batches (lists of sample indices) for `step`."""
+        idx = self.global_indices(step)
+        if self.bucketing == "length" and lengths is not None:
+            idx = sorted(idx, key=lambda i: (lengths[i], i))
+        chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
+        return chunks[rank :: self.world]
+
+
+def collate_features(items: list[dict[str, Any]]) -> DraftBatch:
+    """Right-pad cache samples ({input_ids, loss_mask, taps, final_hidden}) into a DraftBatch."""
+    T = max(int(it["input_ids"].shape[0]) for it in items)
+    B = len(items)
+    first = items[0]
+    taps = torch.zeros(B, T, *first["taps"].shape[1:], dtype=first["taps"].dtype)
+    final = torch.zeros(B, T, first["final_hidden"].shape[-1], dtype=first["final_hidden"].dtype)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    lm = torch.zeros(B, T, dtype=torch.bool)
+    am = torch.zeros(B, T, dtype=torch.bool)
+    for b, it in enumerate(items):
+        n = int(it["input_ids"].shape[0])
+        ids[b, :n] = torch.as_tensor(it["input_ids"])
+        lm[b, :n] = torch.as_tensor(it["loss_mask"]).bool()
+        am[b, :n] = True
+        taps[b, :n] = it["taps"]
+        final[b, :n] = it["final_hidden"]
+    return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final)
+
+
+def sample_lengths(dataset: Any) -> list[int] | None:
+    """Per-sample token counts when the dataset knows them without loading features."""
+    for name in ("lengths", "sample_lengths"):
+        v = getattr(dataset, name, None)
+        if v is not None:
+            v = v() if callable(v) else v
+            return [int(x) for x in v]
+    return None
+
+
+def collate_fn(dataset: Any):
+    return getattr(dataset, "collate", None) or collate_features

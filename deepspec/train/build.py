@@ -1,0 +1,104 @@
+"""Building the default TrainParts from a config: the registered draft, the cache, provenance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepspec.errors import CacheError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+
+def load_target_head(path: str, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only the target's embedding and LM head from its safetensors (no full model load)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        weight_map = {}
+        for f in files:
+            with safe_open(str(f), "pt") as sf:
+                weight_map.update({k: f.name for k in sf.keys()})
+
+    def get(names: tuple[str, ...]) -> torch.Tensor | None:
+        for name in names:
+            if name in weight_map:
+                with safe_open(str(folder / weight_map[name]), "pt") as sf:
+                    return sf.get_tensor(name)
+        return None
+
+    embed = get(("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"))
+    if embed is None:
+        raise CacheError(f"Could not find the embedding matrix in {folder}; is it a decoder-only HF checkpoint?")
+    head = get(("lm_head.weight",))
+    if head is None or getattr(config, "tie_word_embeddings", False):
+        head = embed
+    return embed, head
+
+
+def build_parts(cfg, info):
+    """Draft from the registry sized by the target's HF config; data from the offline cache."""
+    from transformers import AutoConfig
+
+    from deepspec.drafts.registry import get_algorithm
+    from deepspec.targets.load import resolve_target_path
+    from deepspec.train.loop import TrainParts
+
+    train_data, val_data = open_cache_datasets(cfg)
+    path = resolve_target_path(cfg.target.name)
+    target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    cls = get_algorithm(cfg.model.algorithm)
+    model = cls.from_target_config(target_config, cfg.model)
+    embed, head = load_target_head(path, target_config)
+    model.load_target_weights(embed, head)
+    counts = getattr(train_data, "token_counts", None)
+    if counts is not None:
+        counts = counts() if callable(counts) else counts
+        model.set_token_frequencies(torch.as_tensor(counts))
+    manifest = getattr(train_data, "manifest", None) or {}
+    provenance = {k: manifest[k] for k in ("target", "target_revision", "taps", "template_hash", "data_hash", "chat_template_kwargs") if k in manifest}
+    provenance.setdefault("target", cfg.target.name)
+    return TrainParts(model=model, train_data=train_data, val_data=val_data, provenance=provenance)
+
+
+def open_cache_datasets(cfg):
+    """The training and held-out cache datasets (held-out is optional: no validation without it)."""
+    try:
+        from deepspec.data.cache import open_cache  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise CacheError(f"The offline cache reader is not available ({e}); build the cache with `deepspec data cache` first.") from None
+    train = open_cache(cfg.cache_train_dir, cfg=cfg)
+    val = None
+    if Path(cfg.cache_heldout_dir).is_dir():
+        val = open_cache(cfg.cache_heldout_dir, cfg=cfg)
+    else:
+        log.warning("no held-out cache at %s: training without validation", cfg.cache_heldout_dir)
+    return train, val
+
+
+def default_write_draft(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor], provenance: dict[str, Any]) -> None:
+    """HF-style draft folder: config.json (export_config + provenance) and fp32 model.safetensors."""
+    try:
+        from deepspec.drafts.checkpoint import save_draft  # type: ignore[attr-defined]
+    except ImportError:
+        save_draft = None
+    if save_draft is not None:
+        save_draft(model, directory, provenance=provenance, state_dict=weights)
+        return
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(model.export_config())
+    config["provenance"] = provenance
+    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    save_file(weights, str(directory / "model.safetensors"))

@@ -1,0 +1,245 @@
+"""Training checkpoints: `<run_dir>/step_N/` + `step_latest` / `step_best` pointers.
+
+A step directory holds the draft in HF form (config.json + model.safetensors, fp32 master
+weights, with provenance), the resolved config.yaml, and the trainer state needed for an exact
+resume: optimizer + scheduler + RNG + data position. That state is written once — by rank 0
+under DDP (all ranks hold the same copy), as a sharded torch.distributed.checkpoint under FSDP
+(each rank writes its shard; it reshards on load, so another worker count can resume).
+
+Writes are atomic: everything goes to `step_N.tmp/` which is renamed when complete; pointers are
+symlinks replaced atomically, or small text files on filesystems without symlinks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepspec.errors import CheckpointError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_DCP = "optimizer_dcp"
+WEIGHTS = "model.safetensors"
+
+
+# ----------------------------------------------------------------------------- pointers
+
+
+def write_pointer(run_dir: Path, name: str, target: str) -> None:
+    """Point `run_dir/name` at the sibling directory `target` (symlink, or a text file)."""
+    link = run_dir / name
+    tmp = run_dir / f".{name}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    try:
+        os.symlink(target, tmp, target_is_directory=True)
+    except (OSError, NotImplementedError):
+        tmp.write_text(target + "\n")
+    if link.is_dir() and not link.is_symlink():
+        raise CheckpointError(f"{link} is a real directory, not a pointer; move it away so it can be updated.")
+    os.replace(tmp, link)
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A checkpoint path as users pass it: step_N, step_latest/step_best (link or file), or a run dir."""
+    p = Path(path)
+    if p.is_file() and not p.is_symlink() and p.stat().st_size < 256 and STEP_RE.match(p.read_text().strip()):
+        p = p.parent / p.read_text().strip()
+    elif p.is_dir() and not (p / "config.json").exists() and (p / "step_latest").exists():
+        return resolve_step_dir(p / "step_latest")
+    p = p.resolve()
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a draft checkpoint (no config.json); pass a step_N directory or step_latest.")
+    return p
+
+
+def latest_step_dir(run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None. A half-written step_N.tmp is ignored."""
+    ptr = run_dir / "step_latest"
+    if ptr.exists():
+        try:
+            return resolve_step_dir(ptr)
+        except CheckpointError:
+            log.warning("step_latest in %s is broken; falling back to the newest complete step_N", run_dir)
+    steps = list_steps(run_dir)
+    return run_dir / f"step_{steps[-1]}" if steps else None
+
+
+def list_steps(run_dir: Path) -> list[int]:
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and (p / TRAINER_STATE).is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_best(run_dir: Path) -> dict[str, Any] | None:
+    f = run_dir / "best.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def record_best(run_dir: Path, step: int, metric: str, value: float) -> None:
+    data = {"step": step, "metric": metric, "value": value}
+    tmp = run_dir / "best.json.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, run_dir / "best.json")
+    if (run_dir / f"step_{step}").is_dir():
+        write_pointer(run_dir, "step_best", f"step_{step}")
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the last `keep_last` step dirs, never the best one."""
+    best = read_best(run_dir)
+    keep_best = best["step"] if best else None
+    steps = list_steps(run_dir)
+    for s in steps[:-keep_last]:
+        if s != keep_best:
+            shutil.rmtree(run_dir / f"step_{s}", ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor] | None,
+    write_draft,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    sharded: bool,
+    save_config,
+    keep_last: int,
+) -> Path:
+    """Write step_N atomically. Collective: every rank must call it.
+
+    weights: full fp32 trainable state dict on rank 0 (None elsewhere); write_draft(dir, weights)
+    writes config.json + model.safetensors; save_config(dir) writes config.yaml.
+    """
+    final = run_dir / f"step_{step}"
+    tmp = run_dir / f"step_{step}.tmp"
+    rank = _rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    rngs: list[Any] = [None] * _world()
+    if dist.is_initialized() and _world() > 1:
+        dist.all_gather_object(rngs, rng_state())
+    else:
+        rngs = [rng_state()]
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, optimizer)
+        dcp.save({"optimizer": osd}, checkpoint_id=str(tmp / OPTIMIZER_DCP))
+    if rank == 0:
+        write_draft(tmp, weights)
+        save_config(tmp)
+        if not sharded:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), rng=rngs, world_size=_world())
+        torch.save(state, tmp / TRAINER_STATE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_pointer(run_dir, "step_latest", final.name)
+        prune(run_dir, keep_last)
+    _barrier()
+    return final
+
+
+def load_trainer_state(step_dir: Path) -> dict[str, Any]:
+    f = step_dir / TRAINER_STATE
+    if not f.is_file():
+        raise CheckpointError(f"{step_dir} has no {TRAINER_STATE}; it is not a complete training checkpoint (delete it to restart).")
+    return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def load_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / WEIGHTS))
+
+
+def load_optimizer(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        path = step_dir / OPTIMIZER_DCP
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{step_dir} was saved without FSDP (no {OPTIMIZER_DCP}/); resume it with train.parallel=ddp."
+            )
+        osd = get_optimizer_state_dict(model, optimizer)
+        state = {"optimizer": osd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return
+    f = step_dir / OPTIMIZER_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{step_dir} was saved with FSDP (no {OPTIMIZER_FILE}); resume it with train.parallel=fsdp.")
+    optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=False))

@@ -1,0 +1,77 @@
+"""Process-group setup and rank-aware helpers.
+
+Workers are started by torchrun (env:// rendezvous: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*),
+or run alone (`deepspec train`), in which case a one-process group is created so FSDP2 and
+the collectives below work unchanged. NCCL on GPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # we created the process group and must destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistInfo:
+    """Join the torchrun group (or make a one-process one) and pick this worker's device."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    owns = False
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+        owns = True
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
+
+
+def teardown(info: DistInfo) -> None:
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def reduce_metrics(sums: dict[str, list[float]], device: torch.device) -> dict[str, float]:
+    """Token-weighted reduction: value = sum over ranks of numerators / sum of denominators.
+
+    Every rank must pass the same keys (drafts report the same metrics on every batch).
+    """
+    if not sums:
+        return {}
+    keys = sorted(sums)
+    t = torch.tensor([[sums[k][0], sums[k][1]] for k in keys], dtype=torch.float64, device=device)
+    all_reduce_sum(t)
+    return {k: (float(t[i, 0] / t[i, 1]) if float(t[i, 1]) > 0 else float("nan")) for i, k in enumerate(keys)}
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

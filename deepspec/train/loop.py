@@ -1,0 +1,244 @@
+"""The training loop, top to bottom: build -> resume -> (accumulate, clip, step, log, validate, save)*.
+
+Gradient accumulation is exact across worker counts: each micro-batch contributes
+loss x (its supervised tokens), and once the step's micro-batches are done the gradients are
+scaled by world / (supervised tokens of the whole global batch) — so the update is the token-
+weighted mean over the global batch whether it ran on 1 worker x 4 micro-batches or 2 x 2.
+Randomness inside a draft (e.g. anchor sampling) is reseeded per (seed, step, rank, micro-batch),
+so a resumed run replays exactly what the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from deepspec.config import save_config
+from deepspec.errors import CheckpointError, ConfigError
+from deepspec.log import get_logger, progress
+from deepspec.train import checkpoint as ckpt
+from deepspec.train.batches import BatchPlan, collate_fn, sample_lengths
+from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
+from deepspec.train.loggers import MetricLoggers, format_postfix
+from deepspec.train.optim import build_optimizer, build_scheduler
+from deepspec.train.parallel import full_trainable_state, unwrap, wrap
+from deepspec.train.validate import best_metric, run_validation
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainParts:
+    """What the loop trains: a draft, its data, and how to write it. Built from the config by default."""
+
+    model: nn.Module
+    train_data: Any  # len(), [i] -> sample dict, optional .collate / .lengths
+    val_data: Any | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+    # write_draft(directory, fp32 trainable state dict) -> writes config.json + model.safetensors
+    write_draft: Callable[[Path, dict[str, torch.Tensor]], None] | None = None
+
+
+def train(cfg, parts: TrainParts | None = None) -> Path:
+    """Train (or resume) the run `cfg.run_dir`; returns the final checkpoint directory.
+
+    Runs in this process as one worker, or as one of the workers of a torchrun launch.
+    """
+    info = init_distributed()
+    try:
+        return _train(cfg, info, parts)
+    finally:
+        teardown(info)
+
+
+def _autocast(cfg, device: torch.device):
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _step_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + micro) % (2**63 - 1)
+
+
+def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
+    tcfg = cfg.train
+    run_dir = cfg.run_dir
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(tcfg.seed)  # identical draft initialisation on every rank
+    if parts is None:
+        from deepspec.train.build import build_parts
+
+        parts = build_parts(cfg, info)
+    if tcfg.optimizer == "muon" and tcfg.parallel == "fsdp":
+        raise ConfigError("train.optimizer=muon needs whole weight matrices; use train.parallel=ddp with Muon (or adamw with fsdp).")
+    model = parts.model
+    plan = BatchPlan(len(parts.train_data), tcfg.global_batch_size, tcfg.micro_batch_size, info.world, tcfg.seed, tcfg.bucketing)
+    total_steps = tcfg.max_steps or max(1, math.floor(tcfg.epochs * plan.steps_per_epoch))
+    lengths = sample_lengths(parts.train_data)
+    collate = collate_fn(parts.train_data)
+
+    # ---------------------------------------------------------------- resume (weights before wrapping)
+    start_step, state = 0, None
+    resume_dir = ckpt.latest_step_dir(run_dir) if tcfg.resume else None
+    if resume_dir is not None:
+        state = ckpt.load_trainer_state(resume_dir)
+        if state.get("global_batch_size") != tcfg.global_batch_size:
+            raise CheckpointError(
+                f"{resume_dir} was trained with train.global_batch_size={state.get('global_batch_size')}, this run uses "
+                f"{tcfg.global_batch_size}; keep the global batch to resume (the worker count may change) or set a new exp name."
+            )
+        weights = ckpt.load_weights(resume_dir)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if k.split(".")[-1] not in ("target_embed", "target_lm_head")]
+        if missing or unexpected:
+            raise CheckpointError(f"{resume_dir} does not fit this draft (missing {missing[:3]}, unexpected {unexpected[:3]}); use another run name.")
+        start_step = int(state["step"])
+        log.info("resuming from %s (step %d, saved by %d workers, now %d)", resume_dir, start_step, state.get("world_size", 1), info.world)
+
+    model.to(info.device)
+    model.train()
+    wrapped = wrap(model, tcfg.parallel, info.world, info.device)
+    if tcfg.compile:
+        wrapped = torch.compile(wrapped)
+    sharded = tcfg.parallel == "fsdp"
+    optimizer = build_optimizer(wrapped, tcfg)
+    scheduler = build_scheduler(optimizer, tcfg, total_steps)
+    if state is not None:
+        ckpt.load_optimizer(resume_dir, wrapped, optimizer, sharded)
+        scheduler.load_state_dict(state["scheduler"])
+        rngs = state.get("rng") or []
+        if info.rank < len(rngs):
+            ckpt.set_rng_state(rngs[info.rank])
+    autocast = _autocast(cfg, info.device)
+
+    if info.is_main:
+        save_config(cfg, run_dir)
+        log.info(
+            "training %s: %d steps (%d per epoch), global batch %d = %d workers x %d micro x %d accumulation, %s",
+            type(model).__name__, total_steps, plan.steps_per_epoch, tcfg.global_batch_size, info.world,
+            tcfg.micro_batch_size, plan.accum_steps, tcfg.parallel,
+        )
+    loggers = MetricLoggers(cfg, run_dir, enabled=info.is_main, resume_step=start_step)
+    best = ckpt.read_best(run_dir) if info.is_main else None
+    best_value = best["value"] if best else -math.inf
+
+    def write_draft(directory: Path, weights: dict[str, torch.Tensor]) -> None:
+        if parts.write_draft is not None:
+            parts.write_draft(directory, weights)
+        else:
+            from deepspec.train.build import default_write_draft
+
+            default_write_draft(model, directory, weights, parts.provenance)
+
+    def save(step: int, val_metrics: dict[str, float] | None) -> None:
+        weights = full_trainable_state(wrapped, tcfg.parallel, info.is_main)
+        extra = {"global_batch_size": tcfg.global_batch_size, "total_steps": total_steps, "epoch": step / plan.steps_per_epoch, "val": val_metrics}
+        ckpt.save_checkpoint(
+            run_dir, step, weights=weights, write_draft=write_draft, optimizer=optimizer, model=wrapped,
+            scheduler=scheduler, trainer_state=extra, sharded=sharded, save_config=lambda d: save_config(cfg, d),
+            keep_last=tcfg.keep_last,
+        )
+
+    quiet = {} if (info.is_main and cfg.logging.progress) else {"disable": True}
+    bar = progress(total=total_steps, initial=start_step, desc="train", unit="step", **quiet)
+    tokens_seen, t0 = 0, time.perf_counter()
+    last_dir = ckpt.latest_step_dir(run_dir) if start_step else None
+    step = start_step
+    try:
+        while step < total_steps:
+            micro_batches = plan.micro_batches(step, info.rank, lengths)
+            local_tokens = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            metric_sums: dict[str, list[float]] = {}
+            for m, indices in enumerate(micro_batches):
+                batch = collate([parts.train_data[i] for i in indices]).to(info.device, torch.float32)
+                n_tok = batch.num_loss_tokens
+                torch.manual_seed(_step_seed(tcfg.seed, step, info.rank, m))
+                sync = m == len(micro_batches) - 1
+                ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
+                if sharded and hasattr(wrapped, "set_requires_gradient_sync"):
+                    wrapped.set_requires_gradient_sync(sync)
+                with ctx:
+                    with autocast():
+                        loss, metrics = wrapped(batch)
+                    (loss.float() * n_tok).backward()
+                loss_sum += float(loss.detach()) * n_tok
+                local_tokens += n_tok
+                tokens_seen += int(batch.attention_mask.sum())
+                for k, (num, den) in metrics.items():
+                    acc = metric_sums.setdefault(k, [0.0, 0.0])
+                    acc[0] += float(num)
+                    acc[1] += float(den)
+            # token-weighted mean over the global batch: DDP/FSDP averaged over `world`, undo and divide by N
+            stats = torch.stack([local_tokens, loss_sum]).to(info.device)
+            all_reduce_sum(stats)
+            global_tokens, global_loss = float(stats[0]), float(stats[1])
+            scale = info.world / max(global_tokens, 1.0)
+            for p in wrapped.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            reduced = reduce_metrics(metric_sums, info.device)
+            elapsed = time.perf_counter() - t0
+            tok_rate = float(all_reduce_sum(torch.tensor(float(tokens_seen), device=info.device))) / max(elapsed, 1e-9)
+            row = {"train/loss": global_loss / max(global_tokens, 1.0), "train/lr": lr, "train/grad_norm": float(grad_norm),
+                   "train/tokens_per_s": tok_rate, "train/epoch": step / plan.steps_per_epoch}
+            row.update({f"train/{k}": v for k, v in reduced.items()})
+            if info.is_main:
+                if step % tcfg.log_every == 0 or step == total_steps or step == start_step + 1:
+                    loggers.log(row, step)
+                    _append_jsonl(run_dir / "train_log.jsonl", step, row)
+                bar.update(1)
+                bar.set_postfix(format_postfix({"loss": row["train/loss"], "tok/s": tok_rate, "lr": lr}), refresh=False)
+
+            val_metrics = None
+            is_last = step == total_steps
+            if parts.val_data is not None and (step % tcfg.val_every == 0 or is_last):
+                val_metrics = run_validation(wrapped, parts.val_data, cfg, info, autocast)
+                if info.is_main:
+                    loggers.log({f"val/{k}": v for k, v in val_metrics.items()}, step)
+                    _append_jsonl(run_dir / "val_log.jsonl", step, val_metrics)
+            improved = False
+            key, value = best_metric(val_metrics)
+            if info.is_main and value is not None and value > best_value:
+                improved = True
+            improved = bool(all_reduce_sum(torch.tensor(float(improved), device=info.device)) > 0)
+            if step % tcfg.save_every == 0 or is_last or improved:
+                save(step, val_metrics)
+                last_dir = run_dir / f"step_{step}"
+                if improved and info.is_main:
+                    best_value = value
+                    ckpt.record_best(run_dir, step, key, value)
+    finally:
+        bar.close()
+        loggers.close()
+    if last_dir is None:
+        last_dir = ckpt.latest_step_dir(run_dir)
+    return last_dir
+
+
+def _append_jsonl(path: Path, step: int, row: dict[str, float]) -> None:
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, **row}) + "\n")

@@ -1,0 +1,90 @@
+"""Validation on the held-out cache: the draft's own metrics, reduced token-weighted across ranks.
+
+Drafts report, per depth k (1-based), the conditional acceptance `acc_cond@k` — the mean over
+positions whose drafts 1..k-1 would be accepted of α = Σ_v min(p_draft, p_target) — and
+`expected_tau` (1 + Σ_k Π_{i≤k} α_i per position, averaged), plus the greedy simulated τ
+(`greedy_tau`: argmax drafts checked against the target's argmax). When a draft reports only the
+per-depth α, expected τ is derived here from them (chain of products).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from deepspec.train.batches import collate_fn
+from deepspec.train.dist import DistInfo, reduce_metrics
+
+BEST_KEY = "expected_tau"
+_ACC = re.compile(r"^acc_cond@(\d+)$")
+
+
+def derive(metrics: dict[str, float]) -> dict[str, float]:
+    """Add expected_tau from acc_cond@k when the draft did not report it."""
+    out = dict(metrics)
+    if BEST_KEY not in out:
+        accs = sorted((int(m.group(1)), v) for k, v in out.items() if (m := _ACC.match(k)))
+        if accs:
+            tau, surv = 1.0, 1.0
+            for _, a in accs:
+                surv *= a if not math.isnan(a) else 0.0
+                tau += surv
+            out[BEST_KEY] = tau
+    return out
+
+
+def best_metric(val: dict[str, float] | None) -> tuple[str, float | None]:
+    if not val or BEST_KEY not in val or math.isnan(val[BEST_KEY]):
+        return BEST_KEY, None
+    return BEST_KEY, float(val[BEST_KEY])
+
+
+@torch.no_grad()
+def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, autocast) -> dict[str, float]:
+    """Evaluate up to `train.val_max_samples` held-out samples, split over ranks.
+
+    Every rank runs the same number of forwards (FSDP all-gathers in each); surplus ones repeat a
+    batch and are not counted.
+    """
+    n = min(len(data), cfg.train.val_max_samples)
+    bs = cfg.train.val_batch_size
+    mine = list(range(info.rank, n, info.world))
+    chunks = [mine[i : i + bs] for i in range(0, len(mine), bs)]
+    per_rank = math.ceil(math.ceil(n / info.world) / bs) if n else 0
+    collate = collate_fn(data)
+    sums: dict[str, list[float]] = {}
+    loss_num = loss_den = 0.0
+    was_training = wrapped.training
+    wrapped.eval()
+    try:
+        for j in range(per_rank):
+            real = j < len(chunks)
+            idx = chunks[j] if real else [0]
+            batch = collate([data[i] for i in idx]).to(info.device, torch.float32)
+            with autocast():
+                loss, metrics = wrapped(batch)
+            if not real:
+                continue
+            n_tok = batch.num_loss_tokens
+            loss_num += float(loss) * n_tok
+            loss_den += n_tok
+            for k, (num, den) in metrics.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(num)
+                acc[1] += float(den)
+    finally:
+        wrapped.train(was_training)
+    sums["loss"] = [loss_num, loss_den]
+    # ranks without data still need the same keys for the collective
+    keys: list[Any] = [sorted(sums)]
+    if torch.distributed.is_initialized() and info.world > 1:
+        gathered: list[Any] = [None] * info.world
+        torch.distributed.all_gather_object(gathered, sorted(sums))
+        for ks in gathered:
+            for k in ks:
+                sums.setdefault(k, [0.0, 0.0])
+    del keys
+    return derive(reduce_metrics(sums, info.device))

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Train a draft on every visible GPU (or N CPU workers) with torchrun.
+#
+#   bash scripts/train/train.sh CONFIG [--nproc N] [torchrun args] [--opts key=value ...]
+#
+# Workers: one per GPU in CUDA_VISIBLE_DEVICES (or all GPUs); on a machine without GPU,
+# --nproc N CPU workers (default 1). NCCL on GPU, gloo on CPU.
+# Multi-node: add torchrun's rendezvous arguments, the same on every node, e.g.
+#   --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id myrun
+# Rerunning the same command resumes from <train.output_root>/<project>/<run>/step_latest.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+CONFIG="$1"; shift
+NPROC=""
+TORCHRUN_ARGS=()
+OPTS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc|--nproc-per-node|--nproc_per_node) NPROC="$2"; shift 2 ;;
+    --nproc=*|--nproc-per-node=*) NPROC="${1#*=}"; shift ;;
+    --opts) shift; while [[ $# -gt 0 && "$1" != --* ]]; do OPTS+=("$1"); shift; done ;;
+    --*=*) TORCHRUN_ARGS+=("$1"); shift ;;
+    --*) TORCHRUN_ARGS+=("$1" "$2"); shift 2 ;;
+    *) echo "train.sh: unexpected argument '$1' (config must come first; overrides go after --opts)" >&2; exit 2 ;;
+  esac
+done
+
+PYTHON="${PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+  ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
+fi
+
+if [[ -z "$NPROC" ]]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+  if [[ "$NGPU" -gt 0 ]]; then NPROC="$NGPU"; else NPROC=1; fi
+fi
+
+STANDALONE=(--standalone)
+for a in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
+  case "$a" in --nnodes*|--rdzv*|--master*|--node*) STANDALONE=() ;; esac
+done
+
+exec "$PYTHON" -m torch.distributed.run "${STANDALONE[@]+"${STANDALONE[@]}"}" --nproc-per-node="$NPROC" \
+  "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}" \
+  -m deepspec.train.worker "$CONFIG" ${OPTS[@]+--opts "${OPTS[@]}"}
