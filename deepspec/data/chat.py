@@ -12,6 +12,10 @@ Masked tokens (the choice, documented once):
   * every token whose character span overlaps the assistant content, and
   * the end-of-turn token right after the content (e.g. ``<|im_end|>``) when it is a special
     token: the draft must learn to predict the end of a turn, since the target emits it.
+  * an assistant message that carries ``<think>reasoning</think>answer`` which the template
+    re-renders in its own block (Qwen3 with thinking): from its ``<think>`` through the answer,
+    the think markup included (the target generates it in thinking mode); earlier turns whose
+    reasoning the template drops are masked on the answer only.
 Template markup (role headers, the empty ``<think></think>`` block Qwen3 inserts with
 ``enable_thinking: false``, the newline after ``<|im_end|>``) is not masked.
 """
@@ -70,6 +74,14 @@ def assistant_char_spans(text: str, messages: Sequence[dict[str, Any]]) -> list[
                 f"Could not find the content of message {i} ({m.get('role')}) in the rendered chat; the chat template "
                 "rewrites it. Regenerate the data with this target's template."
             )
+        if m.get("role") == "assistant" and "</think>" in content and found[1] - found[0] < len(content.strip()):
+            # The template re-rendered the reasoning in its own block: the target generated it
+            # too, so the span starts at the reasoning when it is rendered before the answer.
+            reasoning = content.split("</think>")[0].split("<think>")[-1].strip()
+            pos = text.find(reasoning, cursor, found[0]) if reasoning else -1
+            if pos >= 0:
+                think = text.rfind("<think>", cursor, pos)
+                found = (think if think >= 0 else pos, found[1])
         if m.get("role") == "assistant":
             spans.append(found)
         cursor = found[1]

@@ -190,7 +190,13 @@ def is_complete(directory: str | Path) -> bool:
         return False
     if len(index) != manifest["counts"]["samples"]:
         return False
-    return all((d / shard_name(i)).is_file() for i in range(manifest["num_shards"]))
+    sizes = np.zeros(manifest["num_shards"], dtype=np.int64)
+    np.add.at(sizes, index["shard"], index["nbytes"])
+    for i, size in enumerate(sizes):
+        p = d / shard_name(i)
+        if not p.is_file() or p.stat().st_size != size:
+            return False
+    return True
 
 
 # Fields a training run must agree with, and how to name them for a user.

@@ -266,6 +266,7 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str
         return 0
     from deepspec.targets import load_target_from_config
 
+    device = device or os.environ.get("DEEPSPEC_CACHE_DEVICE")
     if device is None:
         import torch
 
@@ -332,15 +333,31 @@ def _plan_check(directory: Path, plan: Plan) -> None:
         )
 
 
-def _spawned_worker(rank: int, world: int, directory: str, plan: Plan, cfg, threads: int) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned_worker(rank: int, world: int, port: int, cfg, split: str, threads: int) -> None:
+    """One CPU worker: joins a gloo group exactly as a torchrun rank would, then runs the same path."""
     import torch
 
     from deepspec.log import setup_logging
 
-    os.environ["RANK"] = str(rank)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["DEEPSPEC_CACHE_DEVICE"] = "cpu"
     setup_logging()
     torch.set_num_threads(threads)
-    write_shards(Path(directory), plan, rank, world, device="cpu", cfg=cfg)
+    try:
+        build_cache(cfg, split)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _load_plan_inputs(cfg):
@@ -409,15 +426,22 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
             import torch.multiprocessing as mp
 
             threads = max(1, (os.cpu_count() or 1) // nproc)
-            mp.spawn(_spawned_worker, args=(nproc, str(directory), plan, cfg, threads), nprocs=nproc, join=True)
+            try:
+                mp.spawn(_spawned_worker, args=(nproc, _free_port(), cfg, split, threads), nprocs=nproc, join=True)
+            except mp.ProcessRaisedException as e:
+                last = str(e).strip().splitlines()[-1]
+                raise CacheError(f"A cache worker failed ({last}); fix the cause and rerun the same command to resume.") from None
+            except mp.ProcessExitedException as e:
+                raise CacheError(f"A cache worker died ({e}); rerun the same command to resume.") from None
+            return directory  # rank 0 of the workers finalized it
     if rank_env == 0:
         target_id = {
             "target_architecture": (getattr(tconf, "architectures", None) or ["?"])[0],
             "target_num_layers": tconf.num_hidden_layers,
             "vocab_size": plan.vocab_size,
         }
-        finalize(directory, plan, target_id)
         save_config(cfg, directory)
+        finalize(directory, plan, target_id)  # the manifest goes last
         log.info("cache %s complete: %s", split, directory)
     if world_env > 1:
         _barrier()
