@@ -50,6 +50,10 @@ class RegenerateConfig:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     # Also regenerate the held-out split (needed for validation and held-out eval).
     heldout: bool = True
+    # Context length for the engine (prompt + answer); null = the model's own limit (server's for openai).
+    max_model_len: int | None = None
+    # Served model name for the openai engine; null = the first model the server lists.
+    model: str | None = None
 
 
 @dataclass

