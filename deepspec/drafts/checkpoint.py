@@ -1,0 +1,120 @@
+"""Draft checkpoints: config.json (architecture + algorithm + provenance) + model.safetensors.
+
+Only trainable weights and the draft vocabulary are stored; the frozen target embeddings / LM head
+come back from the target at load time (`base.trainable_state_dict`). Writes are atomic: a temporary
+folder is filled and renamed, so a crash never leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspec.drafts.base import DraftModel, default_checkpoint_files, trainable_state_dict
+from deepspec.errors import CheckpointError
+
+FORMAT_VERSION = 1
+FROZEN = ("target_embed", "target_lm_head")
+
+
+def target_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, H], lm_head [V, H]) of an HF causal LM (works for tied embeddings)."""
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def draft_config_dict(draft: DraftModel, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    from deepspec import __version__
+
+    own = draft.export_config()
+    return {
+        "architectures": [type(draft).__name__],
+        "deepspec": {
+            "format_version": FORMAT_VERSION,
+            "deepspec_version": __version__,
+            "algorithm": draft.algorithm,
+            "taps": list(draft.taps),
+            "arch": own["arch"],
+            "model": own["model"],
+            "draft_vocab_size": getattr(draft, "draft_vocab_size", draft.arch.vocab_size),
+            "target_vocab_size": draft.arch.vocab_size,
+            "provenance": dict(provenance or {}),
+        },
+    }
+
+
+def save_draft(draft: DraftModel, directory: str | Path, provenance: dict[str, Any] | None = None, config: Any = None) -> Path:
+    """Write the draft to `directory` atomically (replacing an existing checkpoint there)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        cfg_path, weights_path = default_checkpoint_files(tmp)
+        cfg_path.write_text(json.dumps(draft_config_dict(draft, provenance), indent=2, sort_keys=False))
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in trainable_state_dict(draft).items()}
+        save_file(state, str(weights_path), metadata={"format": "pt", "algorithm": draft.algorithm})
+        if config is not None:
+            from deepspec.config import save_config
+
+            save_config(config, tmp)
+        old = None
+        if directory.exists():
+            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_draft_config(directory: str | Path) -> dict[str, Any]:
+    cfg_path, weights_path = default_checkpoint_files(directory)
+    if not cfg_path.is_file() or not weights_path.is_file():
+        raise CheckpointError(f"{directory} is not a deepspec draft checkpoint (needs config.json and model.safetensors); pass a step_N folder.")
+    data = json.loads(cfg_path.read_text())
+    if "deepspec" not in data:
+        raise CheckpointError(f"{cfg_path} has no 'deepspec' block; it is not a deepspec checkpoint (exported folders cannot be reloaded).")
+    return data
+
+
+def load_draft(directory: str | Path, target_model: Any = None, device: str | torch.device = "cpu") -> DraftModel:
+    """Rebuild a draft from its checkpoint; copy the target's embed / LM head when `target_model` is given."""
+    from safetensors.torch import load_file
+
+    from deepspec.config.model import ModelConfig
+    from deepspec.drafts.layers import DraftArch
+    from deepspec.drafts.registry import get_algorithm
+
+    meta = read_draft_config(directory)["deepspec"]
+    cls = get_algorithm(meta["algorithm"])
+    known = {f.name for f in fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
+    arch = DraftArch(**meta["arch"])
+    draft = cls(arch, model_cfg, meta["taps"])
+    if target_model is not None:
+        draft.load_target_weights(*target_weights(target_model))
+    state = load_file(str(default_checkpoint_files(directory)[1]))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k.split(".")[-1] not in FROZEN]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"Checkpoint {directory} does not match its config (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+            "it was written by another deepspec version or edited by hand."
+        )
+    return draft.to(device)
+
+
+def model_config_dict(draft: DraftModel) -> dict[str, Any]:
+    return asdict(draft.model_cfg)

@@ -1,0 +1,72 @@
+"""What every draft shares: frozen copies of the target's embeddings / LM head, the constructor
+signature used by checkpoint loading, and the default tap choice."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepspec.drafts.base import DraftModel
+from deepspec.drafts.layers import DraftArch, arch_from_target, softcap
+from deepspec.errors import CheckpointError
+
+
+class TargetBackedDraft(DraftModel):
+    """A DraftModel built as cls(arch, model_cfg, taps) that holds frozen target embed / LM head buffers."""
+
+    default_num_taps = 3
+    default_qk_norm: bool | None = None  # None = follow the target family
+
+    def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
+        super().__init__()
+        self.arch = arch
+        self.model_cfg = model_cfg
+        self.taps = list(taps)
+        # Frozen target parts: buffers, so the optimizer never sees them and checkpoints skip them.
+        self.register_buffer("target_embed", torch.zeros(arch.vocab_size, arch.hidden_size), persistent=True)
+        self.register_buffer("target_lm_head", torch.zeros(arch.vocab_size, arch.hidden_size), persistent=True)
+        self._target_loaded = False
+
+    @classmethod
+    def from_target_config(cls, target_config: Any, model_cfg: Any) -> "TargetBackedDraft":
+        from deepspec.targets.taps import default_taps, validate_taps
+
+        model_cfg.validate()
+        cfg = getattr(target_config, "text_config", None) or target_config
+        taps = list(model_cfg.target_layer_ids) or default_taps(cfg.num_hidden_layers, cls.default_num_taps)
+        validate_taps(taps, cfg.num_hidden_layers)
+        arch = arch_from_target(target_config, model_cfg, qk_norm=cls.default_qk_norm)
+        return cls(arch, model_cfg, taps)
+
+    def load_target_weights(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        if tuple(embed_tokens.shape) != tuple(self.target_embed.shape) or tuple(lm_head.shape) != tuple(self.target_lm_head.shape):
+            raise CheckpointError(
+                f"Target weights have shapes {tuple(embed_tokens.shape)}/{tuple(lm_head.shape)} but the draft was built for "
+                f"{tuple(self.target_embed.shape)}; load the target the draft was trained for."
+            )
+        with torch.no_grad():
+            self.target_embed.copy_(embed_tokens.detach().to(self.target_embed.dtype))
+            self.target_lm_head.copy_(lm_head.detach().to(self.target_lm_head.dtype))
+        self._target_loaded = True
+        self._on_target_loaded()
+
+    def _on_target_loaded(self) -> None:
+        """Hook: initialise trainable parts from the target (e.g. EAGLE-3's draft LM head)."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.target_embed)
+
+    def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token logits (fp32) from its final normed hidden state."""
+        return softcap(final_hidden.float() @ self.target_lm_head.float().T, self.arch.logit_softcap)
+
+    def export_config(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "arch": self.arch.to_dict(),
+            "taps": self.taps,
+            "model": asdict(self.model_cfg),
+        }

@@ -1,0 +1,264 @@
+"""EAGLE-3 / EAGLE-3.1: an autoregressive one-layer draft over fused target taps, trained with TTT.
+
+Alignment (pinned by tests/test_drafts_eagle3.py): row t of the draft reads token t+1 and the fused
+taps of position t, runs at RoPE position t, and at TTT step k (0-based) predicts token t+2+k against
+the target distribution softmax(lm_head(final_hidden[t+1+k])). Step k's queries see step-0 keys of
+rows <= t (causal) plus their own row's keys from steps 1..k (the "diagonal"), exactly what the
+draft cache holds at decoding time when the chain is k tokens deep. This is also what vLLM's
+`LlamaForCausalLMEagle3` computes, so exported drafts behave the same in the engine.
+
+EAGLE-3.1 options: `fc_norm` (an RMSNorm per tap before fc) and `norm_output` (the next step reads
+the post-norm hidden state); legacy `norm_before_fc` (one RMSNorm over the concatenation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepspec.drafts.base import DraftBatch, Metrics, Proposer
+from deepspec.drafts.common import TargetBackedDraft
+from deepspec.drafts.layers import DecoderLayer, DraftArch, RMSNorm, RotaryEmbedding, attend, causal_mask, softcap
+from deepspec.drafts.registry import register
+from deepspec.drafts.vocab import build_draft_vocab, sample_token, target_ids_of_draft_vocab
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@register("eagle3")
+class Eagle3Draft(TargetBackedDraft):
+    def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
+        super().__init__(arch, model_cfg, taps)
+        n, ht, h = len(taps), arch.target_hidden_size, arch.hidden_size
+        eps = arch.rms_norm_eps
+        self.input_norm = RMSNorm(n * ht, eps) if model_cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(ht, eps) for _ in range(n)]) if model_cfg.fc_norm else None
+        self.fc = nn.Linear(n * ht, h, bias=False)
+        self.midlayer = DecoderLayer(arch, attn_in_dim=2 * h)
+        self.midlayer.hidden_norm = RMSNorm(h, eps)
+        self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers - 1)])
+        self.norm = RMSNorm(h, eps)
+        self.rotary = RotaryEmbedding(arch)
+        dv = model_cfg.draft_vocab_size if model_cfg.draft_vocab_size and model_cfg.draft_vocab_size < arch.vocab_size else arch.vocab_size
+        self.draft_vocab_size = dv
+        self.lm_head = nn.Linear(h, dv, bias=False)
+        d2t, t2d = build_draft_vocab(torch.zeros(arch.vocab_size), None if dv == arch.vocab_size else dv)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    # --- draft vocabulary -------------------------------------------------------------------------
+    def set_token_frequencies(self, counts: torch.Tensor) -> None:
+        d2t, t2d = build_draft_vocab(counts, None if self.draft_vocab_size == self.arch.vocab_size else self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if self._target_loaded:
+            self._on_target_loaded()
+
+    def _on_target_loaded(self) -> None:
+        # The draft LM head starts as the target's rows for the draft tokens (and is trained).
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.target_lm_head[self.draft_target_ids()].to(self.lm_head.weight.dtype))
+
+    def draft_target_ids(self) -> torch.Tensor:
+        return target_ids_of_draft_vocab(self.d2t)
+
+    # --- forward pieces ---------------------------------------------------------------------------
+    def combine_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [..., n_taps, H_t] -> fc input [..., H] (with the EAGLE-3.1 / legacy norms)."""
+        if self.fc_norm is not None:
+            x = torch.cat([norm(taps[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-1)
+        else:
+            x = taps.flatten(-2)
+            if self.input_norm is not None:
+                x = self.input_norm(x)
+        return self.fc(x)
+
+    def step(
+        self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past: list[KV] | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
+        """One draft forward over T query rows. Returns (logits [B,T,Dv], hidden for the next step, new K/V per layer).
+
+        `past[i]` are layer i's keys/values the queries may attend to (mask covers past + new keys).
+        """
+        cos, sin = self.rotary(position_ids, emb.dtype)
+        new_kv: list[KV] = []
+        layer = self.midlayer
+        residual = layer.hidden_norm(hidden) if self.model_cfg.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        mlp_out = None
+        for i, layer in enumerate([self.midlayer, *self.layers]):
+            if i > 0:
+                residual = residual + mlp_out
+                x = layer.input_layernorm(residual)
+            attn = layer.self_attn
+            q = attn.project_q(x, cos, sin)
+            k, v = attn.project_kv(x, cos, sin)
+            new_kv.append((k, v))
+            if past is not None:
+                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
+            residual = residual + attn.output(attend(q, k, v, mask))
+            mlp_out = layer.mlp(layer.post_attention_layernorm(residual))
+        out = residual + mlp_out
+        normed = self.norm(out)
+        logits = softcap(self.lm_head(normed), self.arch.logit_softcap)
+        return logits, (normed if self.model_cfg.norm_output else out), new_kv
+
+    # --- training ---------------------------------------------------------------------------------
+    def ttt_steps(self, input_ids: torch.Tensor, taps: torch.Tensor):
+        """Yield (k, logits [B, T, Dv]) for TTT steps k = 0..ttt_length-1 (rows >= T-1-k are padding).
+
+        Row r at step k reads token r+1+k and the previous step's hidden state of row r, at RoPE
+        position r+k; it attends to step-0 keys of rows <= r and to row r's keys of steps 1..k.
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        hidden = self.combine_taps(taps.to(self.fc.weight.dtype))
+        pos = torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
+        base_mask = causal_mask(torch.arange(t, device=dev), torch.arange(t, device=dev))
+        eye = torch.eye(t, dtype=torch.bool, device=dev)
+        past: list[KV] | None = None
+        for k in range(self.model_cfg.ttt_length):
+            n = t - 1 - k  # rows with a next input token r+1+k
+            if n <= 0:
+                return
+            shifted = torch.zeros_like(input_ids)
+            shifted[:, :n] = input_ids[:, 1 + k :]
+            emb = self.embed(shifted).to(hidden.dtype)
+            mask = torch.cat([base_mask] + [eye] * k, dim=1)[None, None]
+            logits, hidden, kv = self.step(emb, hidden, pos + k, past, mask)
+            past = kv if past is None else [(torch.cat([p[0], x[0]], 2), torch.cat([p[1], x[1]], 2)) for p, x in zip(past, kv)]
+            yield k, logits
+
+    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, Metrics]:
+        ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
+        b, t = ids.shape
+        dev = ids.device
+        steps = self.model_cfg.ttt_length
+        draft_tids = self.draft_target_ids()
+        with torch.no_grad():
+            tlogits = self.target_logits(batch.final_hidden)  # [B, T, V]
+            p_full = torch.softmax(tlogits, dim=-1)
+            p_sub = torch.softmax(tlogits[..., draft_tids], dim=-1)  # soft labels on the draft vocabulary
+            t_top = tlogits.argmax(-1)
+            del tlogits
+        alphas, tops, valids = [], [], []
+        total = torch.zeros((), device=dev)
+        metrics: Metrics = {}
+        for k, logits in self.ttt_steps(ids, batch.taps):
+            n = t - 1 - k
+            # row r (< n-1) predicts token r+2+k; its target distribution is row r+1+k of the target.
+            m = n - 1
+            valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
+            if m > 0:
+                valid[:, :m] = lm[:, 2 + k :] & am[:, 2 + k :]
+            lg = logits[:, :m].float()
+            logp = torch.log_softmax(lg, dim=-1)
+            ce = -(p_sub[:, 1 + k : 1 + k + m] * logp).sum(-1)
+            v = valid[:, :m].float()
+            cnt = v.sum()
+            step_loss = (ce * v).sum() / cnt.clamp(min=1)
+            total = total + (self.model_cfg.step_loss_decay**k) * step_loss
+            with torch.no_grad():
+                pd = logp.exp()
+                alpha = torch.minimum(pd, p_full[:, 1 + k : 1 + k + m][..., draft_tids]).sum(-1)
+                top = (draft_tids[lg.argmax(-1)] == t_top[:, 1 + k : 1 + k + m]).float()
+                a_full = torch.zeros(b, t, device=dev)
+                a_full[:, :m] = alpha
+                t_full = torch.zeros(b, t, device=dev)
+                t_full[:, :m] = top
+            alphas.append(a_full)
+            tops.append(t_full)
+            valids.append(valid)
+            d = k + 1
+            metrics[f"step_loss@{d}"] = ((ce * v).sum().detach(), cnt.detach())
+            metrics[f"acc_cond@{d}"] = ((alpha * v).sum(), cnt.detach())
+            metrics[f"top1@{d}"] = ((top * v).sum(), cnt.detach())
+        metrics.update(self._tau_metrics(alphas, tops, valids))
+        return total, metrics
+
+    @staticmethod
+    def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:
+        """Per-row chains: expected_tau = mean_t [1 + sum_k prod_{i<=k} alpha_i(t)], the sum running over the
+        contiguous valid depths of row t (teacher-forced inputs); greedy_tau the same with top-1 indicators;
+        survival@k = mean prod_{i<=k} alpha_i over rows whose depth k is valid."""
+        out: Metrics = {}
+        if not alphas:
+            return out
+        v0 = valids[0].float()
+        count = v0.sum()
+        e_cum = torch.ones_like(v0)
+        g_cum = torch.ones_like(v0)
+        live = torch.ones_like(v0)
+        e_tau = v0.clone()
+        g_tau = v0.clone()
+        for k, (a, g, v) in enumerate(zip(alphas, tops, valids)):
+            live = live * v.float()
+            e_cum = e_cum * a
+            g_cum = g_cum * g
+            e_tau = e_tau + e_cum * live
+            g_tau = g_tau + g_cum * live
+            out[f"survival@{k + 1}"] = ((e_cum * live).sum(), live.sum())
+        out["expected_tau"] = ((e_tau * v0).sum(), count)
+        out["greedy_tau"] = ((g_tau * v0).sum(), count)
+        return out
+
+    def proposer(self) -> "Eagle3Proposer":
+        return Eagle3Proposer(self)
+
+
+class Eagle3Proposer(Proposer):
+    """Chain drafting with a cache of step-0 K/V (one row per committed position, from target taps)."""
+
+    def __init__(self, draft: Eagle3Draft):
+        self.draft = draft
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache: list[KV] | None = None
+        self.n = 0
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, hidden) of row n-1
+
+    @torch.no_grad()
+    def propose(self, input_ids, new_taps, start, num_tokens, temperature=0.0, generator=None):
+        d = self.draft
+        dev = d.fc.weight.device
+        dtype = d.fc.weight.dtype
+        input_ids = input_ids.to(dev)
+        total = input_ids.numel()
+        if start > self.n:
+            raise ValueError(f"propose(start={start}) skips positions {self.n}..{start - 1} the draft never saw")
+        if start < self.n and self.cache is not None:
+            self.cache = [(k[:, :, :start], v[:, :, :start]) for k, v in self.cache]
+            self.n = start
+            self.last = None
+        m = total - 1 - start
+        if m > 0:
+            emb = d.embed(input_ids[start + 1 : total].unsqueeze(0)).to(dtype)
+            hidden = d.combine_taps(new_taps.to(device=dev, dtype=dtype).unsqueeze(0))
+            pos = torch.arange(start, total - 1, device=dev)
+            mask = causal_mask(pos, torch.arange(total - 1, device=dev))[None, None]
+            logits, hid, kv = d.step(emb, hidden, pos.unsqueeze(0), self.cache, mask)
+            self.cache = kv if self.cache is None else [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(self.cache, kv)]
+            self.n = total - 1
+            self.last = (logits[0, -1], hid[:, -1:])
+        if self.last is None or num_tokens <= 0:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, d.arch.vocab_size)
+        tids = d.draft_target_ids()
+        logits, hid = self.last
+        cache = self.cache
+        tokens, probs = [], []
+        for j in range(num_tokens):
+            tok, p = sample_token(logits, tids, d.arch.vocab_size, temperature, generator)
+            tokens.append(tok)
+            probs.append(p)
+            if j == num_tokens - 1:
+                break
+            emb = d.embed(torch.tensor([[tok]], device=dev)).to(dtype)
+            pos = torch.tensor([[total - 1 + j]], device=dev)
+            step_logits, hid, kv = d.step(emb, hid, pos, cache, None)
+            cache = [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(cache, kv)]
+            logits = step_logits[0, -1]
+        return torch.tensor(tokens, dtype=torch.long), torch.stack(probs).cpu()

@@ -1,0 +1,251 @@
+"""Building blocks shared by every draft: sizes from the target config, RMSNorm, RoPE, GQA attention, MLP.
+
+Written once and parameterised by the target's HF config (Llama, Qwen3, Gemma-style options), so no
+algorithm keeps a per-family copy. Module and weight names follow HF/vLLM (`q_proj`, `input_layernorm`,
+...), which keeps the export a pure renaming-free copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepspec.errors import ConfigError
+
+
+@dataclass
+class DraftArch:
+    """Resolved draft sizes (target config + ModelConfig overrides); stored in the checkpoint."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int  # target vocabulary
+    target_hidden_size: int
+    target_num_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    logit_softcap: float | None = None
+    target_model_type: str = "llama"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        out = dict(params)
+    else:
+        out = {"rope_type": "default"}
+        scaling = getattr(cfg, "rope_scaling", None)
+        if isinstance(scaling, dict):
+            out.update(scaling)
+            out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    if "rope_theta" not in out:
+        out["rope_theta"] = float(getattr(cfg, "rope_theta", 10000.0))
+    return out
+
+
+def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None = None) -> DraftArch:
+    """Draft sizes default to the target's; ModelConfig fields override. hidden_size must match the
+    target because the draft shares the target's embeddings (and, for DFlash/DSpark, its LM head)."""
+    cfg = getattr(target_config, "text_config", None) or target_config
+    hidden = cfg.hidden_size
+    if model_cfg.hidden_size not in (None, hidden):
+        raise ConfigError(
+            f"model.hidden_size={model_cfg.hidden_size} differs from the target's hidden size {hidden}; drafts share the "
+            "target's embeddings, so leave model.hidden_size unset (shrink intermediate_size or heads instead)."
+        )
+    heads = model_cfg.num_attention_heads or cfg.num_attention_heads
+    kv_heads = model_cfg.num_key_value_heads or getattr(cfg, "num_key_value_heads", None) or heads
+    if model_cfg.num_attention_heads and not model_cfg.num_key_value_heads:
+        kv_heads = min(kv_heads, heads)
+    if heads % kv_heads:
+        raise ConfigError(f"model.num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; pick divisible values.")
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    model_type = getattr(cfg, "model_type", "llama")
+    if qk_norm is None:
+        qk_norm = model_type.startswith(("qwen3", "gemma3", "gemma4"))
+    softcap = model_cfg.logit_softcap if model_cfg.logit_softcap is not None else getattr(cfg, "final_logit_softcapping", None)
+    return DraftArch(
+        hidden_size=hidden,
+        intermediate_size=model_cfg.intermediate_size or cfg.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_layers=model_cfg.num_draft_layers,
+        vocab_size=cfg.vocab_size,
+        target_hidden_size=hidden,
+        target_num_layers=cfg.num_hidden_layers,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(cfg),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
+        hidden_act=getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or "silu",
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=bool(qk_norm),
+        logit_softcap=softcap,
+        target_model_type=model_type,
+    )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for explicit position ids (drafts use non-contiguous positions)."""
+
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        params = dict(arch.rope_parameters)
+        rope_type = params.get("rope_type", "default")
+        base = float(params.get("rope_theta", 10000.0))
+        dim = arch.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.attention_scaling = 1.0
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        elif rope_type != "default":
+            try:
+                from transformers import PretrainedConfig
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                cfg = PretrainedConfig(
+                    rope_parameters=params, head_dim=dim, hidden_size=arch.num_attention_heads * dim,
+                    num_attention_heads=arch.num_attention_heads, max_position_embeddings=arch.max_position_embeddings,
+                )
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+            except Exception as e:  # noqa: BLE001 - report any failure as one config error
+                raise ConfigError(f"RoPE type '{rope_type}' of the target is not supported by the draft layers ({e}).") from None
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [..., T] -> cos, sin [..., T, head_dim]."""
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(position_ids.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, d]; cos/sin [B, T, d] (neox/HF rotate-half style, as Llama/Qwen3 and vLLM use)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with GQA; mask is boolean (True = may attend), broadcastable to [B, h, Tq, Tk].
+
+    Every query row must see at least one key (callers guarantee it) or SDPA returns NaN.
+    """
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    """GQA attention whose q/k/v read `in_dim` features (2H for EAGLE-3's first layer)."""
+
+    def __init__(self, arch: DraftArch, in_dim: int | None = None):
+        super().__init__()
+        in_dim = in_dim or arch.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.num_heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    """Gated MLP (SwiGLU for Llama/Qwen3, GeGLU for Gemma)."""
+
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        if arch.hidden_act not in _ACTS:
+            raise ConfigError(f"Activation '{arch.hidden_act}' of the target is not supported by the draft MLP; use one of {sorted(_ACTS)}.")
+        self.act = _ACTS[arch.hidden_act]
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer; attention is driven by the caller (who owns caches and masks)."""
+
+    def __init__(self, arch: DraftArch, attn_in_dim: int | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, attn_in_dim)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma-style final-logit soft-capping (identity when cap is None)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[Tq, Tk] boolean: key position <= query position."""
+    return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)

@@ -1,0 +1,153 @@
+"""Golden alignment tests for EAGLE-3 / EAGLE-3.1 on tiny Llama and Qwen3 targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import DraftBatch, get_algorithm
+from deepspec.drafts.checkpoint import target_weights
+from deepspec.drafts.layers import causal_mask
+from deepspec.errors import ConfigError
+from deepspec.targets import capture, tiny_target
+
+
+def _setup(family: str, **kw):
+    torch.manual_seed(0)
+    model, _ = tiny_target(family)
+    kw.setdefault("target_layer_ids", [0, 2, 4])
+    cfg = ModelConfig(algorithm="eagle3", ttt_length=kw.pop("ttt_length", 4), **kw)
+    draft = get_algorithm("eagle3").from_target_config(model.config, cfg)
+    draft.load_target_weights(*target_weights(model))
+    for p in draft.parameters():  # random but non-trivial norms so flags matter
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    taps, final = capture(model, ids, draft.taps)
+    return model, draft, ids, taps, final
+
+
+def _batch(ids, taps, final, loss_mask=None):
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    return DraftBatch(ids, ones if loss_mask is None else loss_mask, ones, taps, final)
+
+
+def _naive_chain(draft, ids, taps, r, steps):
+    """Recompute row r's TTT chain from scratch: step 0 over the prefix rows 0..r only, then one
+    token at a time at positions r+1, r+2, ... attending to everything cached so far."""
+    emb = draft.embed(ids[None, 1 : r + 2])
+    hidden = draft.combine_taps(taps[None, : r + 1])
+    pos = torch.arange(r + 1)
+    logits, hid, cache = draft.step(emb, hidden, pos[None], None, causal_mask(pos, pos)[None, None])
+    out = [logits[0, -1]]
+    hid = hid[:, -1:]
+    for k in range(1, steps):
+        e = draft.embed(ids[None, r + 1 + k : r + 2 + k])
+        lg, hid, kv = draft.step(e, hid, torch.tensor([[r + k]]), cache, None)
+        cache = [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(cache, kv)]
+        out.append(lg[0, -1])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ttt_step_k_matches_naive_chain(family):
+    _, draft, ids, taps, _ = _setup(family, draft_vocab_size=200)
+    with torch.no_grad():
+        steps = {k: lg for k, lg in draft.ttt_steps(ids, taps)}
+        assert len(steps) == 4
+        for r in (0, 5, 10):
+            naive = _naive_chain(draft, ids[1], taps[1], r, 4)
+            for k in range(4):
+                torch.testing.assert_close(steps[k][1, r], naive[k], atol=2e-5, rtol=1e-4)
+
+
+def test_ttt_step_k_does_not_see_future_rows():
+    _, draft, ids, taps, _ = _setup("llama")
+    with torch.no_grad():
+        before = [lg.clone() for _, lg in draft.ttt_steps(ids, taps)]
+        ids2, taps2 = ids.clone(), taps.clone()
+        ids2[:, 12:] = 7
+        taps2[:, 9:] += 1.0
+        after = [lg for _, lg in draft.ttt_steps(ids2, taps2)]
+    for k in range(4):
+        # row r at step k reads tokens up to r+1+k and taps up to r: rows r <= 8 and r+1+k <= 11 are unchanged
+        last = min(8, 10 - k)
+        torch.testing.assert_close(before[k][:, : last + 1], after[k][:, : last + 1])
+        assert not torch.allclose(before[k][:, last + 1 : 12], after[k][:, last + 1 : 12])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_proposer_matches_training_forward(family):
+    _, draft, ids, taps, _ = _setup(family, draft_vocab_size=150)
+    seq, seq_taps = ids[0], taps[0]
+    with torch.no_grad():
+        step0 = next(iter(draft.ttt_steps(ids[:1, :12], taps[:1, :12])))[1]
+    prop = draft.proposer()
+    toks, probs = prop.propose(seq[:12], seq_taps[:11], 0, 3)
+    # first draft logits = training step-0 logits of the last row (L-2 = 10)
+    torch.testing.assert_close(prop.last[0], step0[0, 10], atol=1e-5, rtol=1e-4)
+    tid = draft.draft_target_ids()[step0[0, 10].argmax()]
+    assert int(toks[0]) == int(tid) and probs[0, tid] == 1.0 and probs.shape == (3, 320)
+    assert bool(draft.t2d[toks].all())
+    # incremental: a second call that rejects the drafts and adds 3 committed tokens equals a fresh one-shot call
+    toks2, _ = prop.propose(seq[:15], seq_taps[11:14], 11, 3)
+    fresh = draft.proposer()
+    toks3, _ = fresh.propose(seq[:15], seq_taps[:14], 0, 3)
+    torch.testing.assert_close(prop.last[0], fresh.last[0], atol=1e-5, rtol=1e-4)
+    assert toks2.tolist() == toks3.tolist()
+    # sampling returns a proper distribution over the draft vocabulary only
+    t, p = fresh.propose(seq[:15], seq_taps[14:14], 14, 2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(p.sum(-1), torch.ones(2))
+    assert float(p[:, ~draft.t2d].sum()) == 0.0 and p[0, t[0]] > 0
+
+
+def test_loss_metrics_and_gradients():
+    _, draft, ids, taps, final = _setup("qwen3", draft_vocab_size=200)
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    lm[:, 3:] = True
+    loss, metrics = draft.loss(_batch(ids, taps, final, lm))
+    loss.backward()
+    assert draft.fc.weight.grad is not None and draft.lm_head.weight.grad is not None
+    assert draft.midlayer.self_attn.q_proj.weight.grad.shape[1] == 2 * draft.arch.hidden_size
+    assert not any("target" in n for n, _ in draft.named_parameters())
+    # depth d predicts token r+1+d: loss-masked tokens 3..15 are all reachable at depth 1 (13 per
+    # sequence), only tokens 5..15 at depth 4 (row r >= 0)
+    assert float(metrics["acc_cond@1"][1]) == 2 * 13
+    assert float(metrics["acc_cond@4"][1]) == 2 * 11
+    for k in range(1, 5):
+        a = float(metrics[f"acc_cond@{k}"][0] / metrics[f"acc_cond@{k}"][1])
+        assert 0.0 < a < 1.0
+    tau = float(metrics["expected_tau"][0] / metrics["expected_tau"][1])
+    assert 1.0 < tau < 5.0
+    assert "accept_rate" not in " ".join(metrics)
+
+
+def test_expected_tau_formula():
+    a = [torch.tensor([[0.5, 0.8]]), torch.tensor([[0.5, 0.1]])]
+    v = [torch.tensor([[True, True]]), torch.tensor([[True, False]])]
+    out = get_algorithm("eagle3")._tau_metrics(a, [x.round() for x in a], v)
+    # row 0: 1 + .5 + .25; row 1: 1 + .8 (depth 2 invalid)
+    assert abs(float(out["expected_tau"][0]) - (1.75 + 1.8)) < 1e-6 and float(out["expected_tau"][1]) == 2
+
+
+def test_eagle31_flags_change_exactly_what_they_should():
+    _, d31, ids, taps, _ = _setup("llama", fc_norm=True, norm_output=True)
+    names = set(d31.state_dict())
+    assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= names and "input_norm.weight" not in names
+    big = taps * 100  # well above the norm's eps
+    scaled = big * torch.tensor([2.0, 0.5, 3.0])[None, None, :, None]
+    torch.testing.assert_close(d31.combine_taps(scaled), d31.combine_taps(big), atol=1e-4, rtol=1e-4)  # per-tap norm
+    # norm_output: same step-0 logits, different later steps
+    _, d30, _, _, _ = _setup("llama", fc_norm=True, norm_output=False)
+    d30.load_state_dict(d31.state_dict())
+    with torch.no_grad():
+        s31 = [lg for _, lg in d31.ttt_steps(ids, taps)]
+        s30 = [lg for _, lg in d30.ttt_steps(ids, taps)]
+    torch.testing.assert_close(s31[0], s30[0])
+    assert not torch.allclose(s31[1], s30[1])
+    # legacy norm_before_fc: one norm over the concatenation, no per-tap norms
+    _, dl, _, _, _ = _setup("llama", fc_norm=False, norm_before_fc=True)
+    assert "input_norm.weight" in dl.state_dict() and not any(k.startswith("fc_norm") for k in dl.state_dict())
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        _setup("llama", fc_norm=True, norm_before_fc=True)
