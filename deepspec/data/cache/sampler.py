@@ -102,8 +102,16 @@ class ResumableBatchSampler:
         self.epoch, self.step = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Position of the *next* batch; world size is deliberately absent (it may change on resume)."""
-        return {"seed": self.seed, "epoch": self.epoch, "step": self.step, "global_batch_size": self.global_batch_size}
+        """Position of the *next* batch; world size is deliberately absent (it may change on resume).
+
+        A DataLoader with workers prefetches, so this sampler runs ahead of training: a trainer should
+        checkpoint the position of the batches it has *consumed* (`position_state(epoch, step)`)."""
+        epoch, step = (self.epoch + 1, 0) if self.step >= self.steps_per_epoch else (self.epoch, self.step)
+        return self.position_state(epoch, step)
+
+    def position_state(self, epoch: int, step: int) -> dict[str, Any]:
+        """The state that resumes at global batch (epoch, step)."""
+        return {"seed": self.seed, "epoch": epoch, "step": step, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
