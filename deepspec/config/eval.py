@@ -14,18 +14,38 @@ class EvalConfig:
         ]
     )
     datasets_dir: str = "eval_datasets"
+    # null = DeepSpec's per-benchmark caps (gsm8k 500, aime25 30, ...); larger files are shuffled with `seed`, then cut.
     max_samples: int | None = None
     max_new_tokens: int = 2048
     temperature: float = 0.0
     num_draft_tokens: int = 7
     seed: int = 980406
-    num_workers: int = 1
+    # 0 = one worker per visible GPU, or 1 on CPU; N = N workers (samples strided over them, results merged).
+    num_workers: int = 0
+    # Time target-only decoding on the same prompts in the same process (for tokens/s and speedup).
+    measure_speedup: bool = True
     output_dir: str = ""  # empty = <checkpoint>/eval
     # Engine-backed eval: the same prompts through vLLM with --speculative-config.
     engine: Literal["none", "vllm"] = "none"
-    engine_num_speculative_tokens: int = 3
-    engine_url: str | None = None
+    engine_num_speculative_tokens: int | None = None  # null = num_draft_tokens (compare at the same S)
+    engine_url: str | None = None  # an already running server (its counters are shared with other clients!)
     engine_extra_args: list[str] = field(default_factory=list)
+    engine_max_concurrency: int = 8
+    engine_max_model_len: int = 4096
+
+    def validate(self) -> None:
+        from deepspec.errors import ConfigError
+
+        if self.num_draft_tokens < 1:
+            raise ConfigError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}.")
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.num_workers < 0:
+            raise ConfigError(f"eval.num_workers must be >= 0 (0 = auto), got {self.num_workers}.")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}.")
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""Eval reports: results.json (everything), results.md (tables), acceptance.png (per-depth curves).
+
+Metric names follow DESIGN.md §3: tau (incl. bonus), acc_cond@k (conditional), survival@k
+(prefix survival), E[A]@S. No bare "accept rate" anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """A readable summary: one row per benchmark + overall, then per-depth tables."""
+    meta = results.get("meta", {})
+    rows = [(name, r) for name, r in results["tasks"].items() if "skipped" not in r] + [("**overall**", results["overall"])]
+    depth = max((len(r.get("acc_cond", [])) for _, r in rows), default=0)
+    lines = [
+        f"# Speculative decoding eval: {meta.get('algorithm', '?')} draft",
+        "",
+        f"- checkpoint: `{meta.get('checkpoint', '?')}`",
+        f"- target: `{(meta.get('target') or {}).get('target', '?')}`; temperature {meta.get('temperature')}, "
+        f"{meta.get('num_draft_tokens')} draft tokens per round, max {meta.get('max_new_tokens')} new tokens, seed {meta.get('seed')}",
+        "- tau = mean (accepted drafts + 1) per verify round (bonus token included); acc_cond@k = P(draft k accepted | 1..k-1 "
+        "accepted); survival@k = P(at least k accepted); E[A]@S = sum of survival@1..S.",
+        "",
+        "| benchmark | samples | tau | rounds | proposed | accepted | target tok/s | spec tok/s | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {r.get('samples', '')} | {_f(r['tau'])} | {r['rounds']} | {r['proposed_tokens']} | {r['accepted_tokens']} | "
+            f"{_f(r.get('target_tokens_per_s'), 1)} | {_f(r.get('spec_tokens_per_s'), 1)} | {_f(r.get('speedup'), 2)} |"
+        )
+    if depth:
+        head = " | ".join(f"k={k}" for k in range(1, depth + 1))
+        sep = "|---" * (depth + 1) + "|"
+        for title, key in (("Conditional acceptance acc_cond@k", "acc_cond"), ("Prefix survival survival@k", "survival"),
+                           ("E[A]@S (expected accepted drafts with S speculative tokens)", "expected_accepted")):
+            lines += ["", f"## {title}", "", f"| benchmark | {head} |", sep]
+            for name, r in rows:
+                vals = list(r.get(key, [])) + [None] * (depth - len(r.get(key, [])))
+                lines.append(f"| {name} | " + " | ".join(_f(v) for v in vals) + " |")
+    skipped = [(n, r["skipped"]) for n, r in results["tasks"].items() if "skipped" in r]
+    if skipped:
+        lines += ["", "## Skipped benchmarks", ""] + [f"- {n}: {why}" for n, why in skipped]
+    match = results.get("greedy_outputs_match_target")
+    if match:
+        lines += ["", f"Greedy outputs identical to target-only decoding: {match['matched_turns']}/{match['turns']} turns."]
+    eng = results.get("engine")
+    if eng and "tasks" in eng:
+        lines += ["", f"## Engine-backed ({eng.get('engine')}, {eng.get('num_speculative_tokens')} speculative tokens)", "",
+                  "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k |", "|---|---|---|---|---|---|"]
+        for name, r in list(eng["tasks"].items()) + [("**overall**", eng.get("overall", {}))]:
+            if not r:
+                continue
+            lines.append(
+                f"| {name} | {_f(r.get('engine_tau'))} | {_f(r.get('ours_tau_at_S'))} | {_f(r.get('relative_diff'), 3)} | "
+                f"{', '.join(_f(v, 2) for v in r.get('engine_survival', []))} | {', '.join(_f(v, 2) for v in r.get('ours_survival', []))} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
+    """Per-depth conditional acceptance and prefix survival, one line per benchmark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(name, r) for name, r in results["tasks"].items() if "skipped" not in r] + [("overall", results["overall"])]
+    if not any(r.get("acc_cond") for _, r in rows):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in rows:
+        ks = list(range(1, len(r["acc_cond"]) + 1))
+        style = {"linewidth": 2.5, "color": "black"} if name == "overall" else {"linewidth": 1.2}
+        acc = [v if v is not None else float("nan") for v in r["acc_cond"]]
+        surv = [v if v is not None else float("nan") for v in r["survival"]]
+        axes[0].plot(ks, acc, marker="o", label=f"{name} (tau {r['tau']:.2f})", **style)
+        axes[1].plot(ks, surv, marker="o", label=name, **style)
+    axes[0].set_title("conditional acceptance acc_cond@k")
+    axes[1].set_title("prefix survival survival@k = P(A >= k)")
+    for ax in axes:
+        ax.set_xlabel("draft depth k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    meta = results.get("meta", {})
+    fig.suptitle(f"{meta.get('algorithm', '')} draft, T={meta.get('temperature')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_reports(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.json, results.md and acceptance.png in `out_dir` (each written atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "acceptance.png"}
+    for key, text in (("json", json.dumps(_json_safe(results), indent=2) + "\n"), ("md", markdown(results))):
+        tmp = paths[key].with_suffix(paths[key].suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(paths[key])
+    tmp_png = out / "acceptance.tmp.png"
+    if plot_acceptance(results, tmp_png) is not None:
+        tmp_png.replace(paths["png"])
+    else:
+        paths.pop("png")
+    return paths
+
+
+def flat_scalars(results: dict[str, Any]) -> dict[str, float]:
+    """`eval/<task>/tau`, `eval/<task>/acc_cond@k`, ... for tensorboard / wandb."""
+    out: dict[str, float] = {}
+    for name, r in list(results["tasks"].items()) + [("overall", results["overall"])]:
+        if "skipped" in r:
+            continue
+        for key in ("tau", "speedup", "spec_tokens_per_s", "target_tokens_per_s"):
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not math.isnan(v):
+                out[f"eval/{name}/{key}"] = float(v)
+        for key in ("acc_cond", "survival"):
+            for k, v in enumerate(r.get(key, []), 1):
+                if v is not None and not math.isnan(v):
+                    out[f"eval/{name}/{key}@{k}"] = float(v)
+    return out
+
+
+def log_to_run(cfg, results: dict[str, Any], run_dir: Path, step: int) -> None:
+    """Send the scalars to the run's tensorboard / wandb (the same sinks training uses)."""
+    from deepspec.train.loggers import MetricLoggers
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sinks = MetricLoggers(cfg, run_dir, enabled=True)
+    try:
+        sinks.log(flat_scalars(results), step)
+    finally:
+        sinks.close()
+    log.info("logged eval scalars to %s (step %d)", run_dir, step)

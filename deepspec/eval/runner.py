@@ -1,0 +1,329 @@
+"""The eval stage: speculative decoding of a draft checkpoint on benchmarks, one or many workers.
+
+`evaluate(cfg, checkpoint_dir)` loads the target named by the checkpoint's provenance (unless the
+config overrides it), runs every benchmark sample through the speculative loop and — on the same
+prompts in the same process — through target-only decoding for the speed baseline, merges the
+workers' integer counters and writes results.json / results.md / acceptance.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepspec.errors import CheckpointError, ConfigError
+from deepspec.log import get_logger, progress
+
+log = get_logger(__name__)
+
+
+@dataclass
+class WorkItem:
+    task: str
+    index: int  # position in the task's sample list (seeds the sample)
+    row: dict
+
+
+# ----------------------------------------------------------------------------------------- provenance
+
+
+def checkpoint_provenance(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The `deepspec` block of a draft checkpoint's config.json (algorithm, taps, provenance)."""
+    from deepspec.drafts.checkpoint import read_draft_config
+
+    return read_draft_config(checkpoint_dir)["deepspec"]
+
+
+def target_overridden(cfg) -> bool:
+    return any(o.startswith("target.name=") for o in cfg.overrides)
+
+
+def resolve_target_name(cfg, meta: dict[str, Any]) -> str:
+    """Target of the eval: an explicit override wins, then the checkpoint's provenance, then the config."""
+    if target_overridden(cfg):
+        return cfg.target.name
+    prov = meta.get("provenance") or {}
+    path = prov.get("target_path")
+    if path and Path(path).joinpath("config.json").is_file():
+        return str(path)
+    return prov.get("target") or cfg.target.name
+
+
+def check_target_matches(draft_meta: dict[str, Any], target) -> None:
+    """Refuse a target whose vocabulary / width differ from what the draft was trained for."""
+    arch = draft_meta.get("arch") or {}
+    tv = draft_meta.get("target_vocab_size")
+    if tv is not None and tv != target.config.vocab_size:
+        raise CheckpointError(
+            f"The draft was trained for a target with vocab {tv}, but {target.name} has {target.config.vocab_size}; "
+            "evaluate it with the target it was trained on (--target / --opts target.name=...)."
+        )
+    th = arch.get("target_hidden_size")
+    if th is not None and th != target.config.hidden_size:
+        raise CheckpointError(
+            f"The draft reads target features of width {th}, but {target.name} has hidden size {target.config.hidden_size}; "
+            "use the target it was trained on."
+        )
+
+
+# ----------------------------------------------------------------------------------------- work list
+
+
+def build_work(cfg) -> tuple[list[WorkItem], dict[str, dict]]:
+    """All samples of all requested benchmarks, and per-task info (file, rows, skipped reason)."""
+    from deepspec.eval.benchmarks import ALL_TASKS, load_benchmark
+
+    unknown = [t for t in cfg.eval.tasks if t not in ALL_TASKS]
+    if unknown:
+        raise ConfigError(f"Unknown eval task(s) {unknown} in eval.tasks; choose from {', '.join(ALL_TASKS)}.")
+    items: list[WorkItem] = []
+    info: dict[str, dict] = {}
+    for task in cfg.eval.tasks:
+        bench = load_benchmark(task, cfg.eval.datasets_dir, cfg.eval.max_samples, cfg.eval.seed)
+        if bench is None:
+            info[task] = {"skipped": f"{task}.jsonl not found in {cfg.eval.datasets_dir}; build it with `python eval_datasets/build.py --online`"}
+            continue
+        info[task] = {"file": str(bench.path), "rows_in_file": bench.total_rows, "samples": len(bench.samples)}
+        items.extend(WorkItem(task, i, row) for i, row in enumerate(bench.samples))
+    if not items:
+        raise ConfigError(f"No benchmark samples to evaluate (tasks {cfg.eval.tasks} in {cfg.eval.datasets_dir}); build them with `python eval_datasets/build.py`.")
+    return items, info
+
+
+# ----------------------------------------------------------------------------------------- one worker
+
+
+def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
+    """Chat template with the generation prompt, as at regeneration / cache time (same kwargs)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem], rank: int = 0, world: int = 1,
+               device: str | None = None) -> dict[str, Any]:
+    """Evaluate items[rank::world]; returns per-task raw counters + per-sample records."""
+    import torch
+
+    from deepspec.drafts.checkpoint import load_draft
+    from deepspec.eval.decode import eos_token_ids, generate_speculative, generate_target_only
+    from deepspec.eval.metrics import AcceptanceStats, TimingStats
+    from deepspec.targets import load_target
+
+    if device is None:
+        device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    ecfg = cfg.eval
+    target = load_target(target_name, revision=cfg.target.revision, dtype=cfg.target.dtype, device=device,
+                         attn_implementation=cfg.target.attn_implementation, trust_remote_code=cfg.target.trust_remote_code)
+    meta = checkpoint_provenance(checkpoint_dir)
+    check_target_matches(meta, target)
+    draft = load_draft(checkpoint_dir, target.model, device=device)
+    draft = draft.to(dtype=next(target.model.parameters()).dtype).eval()
+    taps = list(draft.taps)
+    proposer = draft.proposer()
+    eos = eos_token_ids(target.model, target.tokenizer)
+    tmpl_kwargs = dict(cfg.target.chat_template_kwargs or {})
+    mine = items[rank::world]
+
+    def gen(seed: int) -> "torch.Generator":
+        return torch.Generator(device=device).manual_seed(seed)
+
+    # warm-up (one-time kernel / allocator costs must not land in the first timed sample)
+    if mine:
+        warm = render_prompt(target.tokenizer, [{"role": "user", "content": mine[0].row["turns"][0]}], tmpl_kwargs)
+        generate_speculative(target.model, proposer, taps, warm, max_new_tokens=8, num_draft_tokens=ecfg.num_draft_tokens,
+                             temperature=ecfg.temperature, eos_ids=eos, generator=gen(0))
+        if ecfg.measure_speedup:
+            generate_target_only(target.model, warm, max_new_tokens=8, temperature=ecfg.temperature, eos_ids=eos, generator=gen(0))
+
+    stats: dict[str, AcceptanceStats] = {}
+    timing: dict[str, TimingStats] = {}
+    samples: list[dict] = []
+    bar = progress(mine, desc=f"eval (worker {rank})", unit="sample")
+    for item in bar:
+        st = stats.setdefault(item.task, AcceptanceStats())
+        tm = timing.setdefault(item.task, TimingStats())
+        messages: list[dict] = []
+        record = {"task": item.task, "index": item.index, "id": item.row.get("id"), "turns": []}
+        for t, turn in enumerate(item.row["turns"]):
+            messages.append({"role": "user", "content": turn})
+            prompt = render_prompt(target.tokenizer, messages, tmpl_kwargs)
+            seed = ecfg.seed + item.index * 16 + t
+            spec = generate_speculative(target.model, proposer, taps, prompt, max_new_tokens=ecfg.max_new_tokens,
+                                        num_draft_tokens=ecfg.num_draft_tokens, temperature=ecfg.temperature,
+                                        eos_ids=eos, generator=gen(seed))
+            st.merge(spec.stats)
+            tm.spec_tokens += len(spec.tokens)
+            tm.spec_seconds += spec.seconds
+            turn_rec = {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "rounds": spec.stats.rounds,
+                        "tau": spec.stats.tau, "spec_seconds": spec.seconds}
+            if ecfg.measure_speedup:
+                base = generate_target_only(target.model, prompt, max_new_tokens=ecfg.max_new_tokens,
+                                            temperature=ecfg.temperature, eos_ids=eos, generator=gen(seed))
+                tm.target_tokens += len(base.tokens)
+                tm.target_seconds += base.seconds
+                turn_rec.update(target_new_tokens=len(base.tokens), target_seconds=base.seconds)
+                if ecfg.temperature == 0:
+                    # a free losslessness check on real prompts (fp32 should match; bf16 may drift on near-ties)
+                    turn_rec["matches_target"] = base.tokens == spec.tokens
+            answer = target.tokenizer.decode(spec.tokens, skip_special_tokens=True)
+            turn_rec["answer"] = answer
+            record["turns"].append(turn_rec)
+            # the next turn is asked after the model's own answer (MT-Bench turn 2)
+            messages.append({"role": "assistant", "content": answer})
+        samples.append(record)
+        if hasattr(bar, "set_postfix"):
+            total = AcceptanceStats()
+            for s in stats.values():
+                total.merge(s)
+            bar.set_postfix(tau=f"{total.tau:.2f}")
+    return {
+        "rank": rank,
+        "device": device,
+        "target": target.provenance(),
+        "stats": {k: v.to_dict() for k, v in stats.items()},
+        "timing": {k: v.to_dict() for k, v in timing.items()},
+        "samples": samples,
+    }
+
+
+def _spawned_worker(rank: int, world: int, cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem], parts_dir: str) -> None:
+    import torch
+
+    from deepspec.log import setup_logging
+
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    setup_logging()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    out = run_worker(cfg, checkpoint_dir, target_name, items, rank, world)
+    path = Path(parts_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
+
+
+def num_workers(cfg) -> int:
+    import torch
+
+    if cfg.eval.num_workers > 0:
+        return cfg.eval.num_workers
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+# ----------------------------------------------------------------------------------------- merge
+
+
+def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str, Any], list[dict]]:
+    """Add the workers' counters per task and overall, then derive the metrics."""
+    from deepspec.eval.metrics import AcceptanceStats, TimingStats
+
+    stats: dict[str, AcceptanceStats] = {}
+    timing: dict[str, TimingStats] = {}
+    for part in parts:
+        for task, d in part["stats"].items():
+            stats.setdefault(task, AcceptanceStats()).merge(AcceptanceStats.from_dict(d))
+        for task, d in part["timing"].items():
+            timing.setdefault(task, TimingStats()).merge(TimingStats.from_dict(d))
+    tasks: dict[str, Any] = {}
+    overall, overall_t = AcceptanceStats(), TimingStats()
+    for task in cfg.eval.tasks:
+        if task not in stats:
+            if task in info and "skipped" in info[task]:
+                tasks[task] = {"skipped": info[task]["skipped"]}
+            continue
+        overall.merge(stats[task])
+        overall_t.merge(timing[task])
+        tasks[task] = {**info.get(task, {}), **stats[task].summary(), **_timing_summary(timing[task], cfg)}
+    samples = sorted((s for p in parts for s in p["samples"]), key=lambda s: (cfg.eval.tasks.index(s["task"]), s["index"]))
+    matches = [t["matches_target"] for s in samples for t in s["turns"] if "matches_target" in t]
+    result = {
+        "overall": {**overall.summary(), **_timing_summary(overall_t, cfg)},
+        "tasks": tasks,
+        "greedy_outputs_match_target": {"matched_turns": sum(matches), "turns": len(matches)} if matches else None,
+    }
+    return result, samples
+
+
+def _timing_summary(t, cfg) -> dict[str, Any]:
+    out = t.summary()
+    if not cfg.eval.measure_speedup:
+        for k in ("target_tokens_per_s", "speedup", "target_tokens", "target_seconds"):
+            out.pop(k, None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- entry point
+
+
+def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None = None, run_dir: str | Path | None = None,
+             step: int | None = None) -> dict[str, Any]:
+    """Evaluate a draft checkpoint; write results.json, results.md, acceptance.png; return the results dict.
+
+    `run_dir` (optional): a training run folder whose tensorboard / wandb receive `eval/...` scalars at `step`.
+    """
+    from deepspec.config import config_to_dict, save_config
+    from deepspec.eval.report import log_to_run, write_reports
+
+    checkpoint_dir = Path(checkpoint_dir)
+    meta = checkpoint_provenance(checkpoint_dir)
+    target_name = resolve_target_name(cfg, meta)
+    if not target_overridden(cfg):
+        cfg.target.name = target_name
+    prov = meta.get("provenance") or {}
+    if "chat_template_kwargs" in prov and not any(o.startswith("target.chat_template_kwargs") for o in cfg.overrides):
+        cfg.target.chat_template_kwargs = dict(prov["chat_template_kwargs"])
+    out_dir = Path(output_dir or cfg.eval.output_dir or checkpoint_dir / "eval")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items, info = build_work(cfg)
+    world = num_workers(cfg)
+    log.info("evaluating %s (%s) against %s: %d samples of %d tasks on %d worker(s), T=%g, %d draft tokens",
+             checkpoint_dir, meta.get("algorithm"), target_name, len(items), len([t for t in info if "skipped" not in info[t]]),
+             world, cfg.eval.temperature, cfg.eval.num_draft_tokens)
+    t0 = time.time()
+    if world == 1:
+        parts = [run_worker(cfg, str(checkpoint_dir), target_name, items)]
+    else:
+        import torch.multiprocessing as mp
+
+        parts_dir = out_dir / ".parts"
+        parts_dir.mkdir(exist_ok=True)
+        for old in parts_dir.glob("rank*.json"):
+            old.unlink()
+        mp.spawn(_spawned_worker, args=(world, cfg, str(checkpoint_dir), target_name, items, str(parts_dir)), nprocs=world, join=True)
+        parts = [json.loads((parts_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    results, samples = merge_parts(parts, info, cfg)
+    results["meta"] = {
+        "checkpoint": str(checkpoint_dir.resolve()),
+        "algorithm": meta.get("algorithm"),
+        "taps": meta.get("taps"),
+        "target": parts[0]["target"],
+        "temperature": cfg.eval.temperature,
+        "num_draft_tokens": cfg.eval.num_draft_tokens,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "seed": cfg.eval.seed,
+        "num_workers": world,
+        "devices": [p["device"] for p in parts],
+        "wall_seconds": time.time() - t0,
+        "config": config_to_dict(cfg.eval),
+    }
+    if cfg.eval.engine == "vllm":
+        from deepspec.eval.engine import engine_eval
+
+        results["engine"] = engine_eval(cfg, checkpoint_dir, meta, target_name, items, results, out_dir)
+    with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as fh:
+        for s in samples:
+            fh.write(json.dumps(s, ensure_ascii=False) + "\n")
+    write_reports(results, out_dir)
+    save_config(cfg, out_dir)
+    if run_dir is not None:
+        log_to_run(cfg, results, Path(run_dir), step or 0)
+    o = results["overall"]
+    log.info("tau %.3f over %d rounds; speedup %s; results in %s", o["tau"], o["rounds"],
+             f"{o['speedup']:.2f}x" if "speedup" in o else "n/a", out_dir)
+    return results

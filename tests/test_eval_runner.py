@@ -1,0 +1,111 @@
+"""The eval stage end to end on a tiny target: checkpoint provenance -> benchmarks -> merged reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, tiny_llama_dir):
+    """A random EAGLE-3 draft checkpoint whose provenance names the tiny target folder."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspec.config.model import ModelConfig
+    from deepspec.drafts.checkpoint import save_draft
+    from deepspec.drafts.registry import get_algorithm
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    draft = get_algorithm("eagle3").from_target_config(target.config, ModelConfig(algorithm="eagle3"))
+    out = tmp_path_factory.mktemp("ckpt") / "step_3"
+    save_draft(draft, out, provenance={"target": "tiny-llama", "target_path": str(tiny_llama_dir)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval_datasets")
+    (d / "gsm8k.jsonl").write_text("\n".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) for i in range(3)) + "\n")
+    (d / "mt-bench.jsonl").write_text(json.dumps({"turns": ["Name a color.", "Now name another one."], "id": "q1"}) + "\n")
+    return d
+
+
+def _cfg(datasets_dir, out, *extra):
+    from deepspec.config import load_config
+
+    return load_config(None, [
+        f"eval.datasets_dir={datasets_dir}", "eval.tasks=[gsm8k,mt-bench,mbpp]", "eval.max_new_tokens=10",
+        "eval.num_draft_tokens=3", f"eval.output_dir={out}", "logging.wandb=false", *extra,
+    ])
+
+
+def test_evaluate_writes_reports(tiny_ckpt, datasets_dir, tmp_path, tiny_llama_dir):
+    from deepspec.eval.runner import evaluate
+
+    out = tmp_path / "eval"
+    res = evaluate(_cfg(datasets_dir, out), tiny_ckpt, run_dir=tmp_path / "run", step=3)
+    # target taken from the checkpoint's provenance
+    assert res["meta"]["target"]["target_path"] == str(tiny_llama_dir)
+    for name in ("results.json", "results.md", "acceptance.png", "samples.jsonl", "config.yaml"):
+        assert (out / name).is_file(), name
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["tasks"]["gsm8k"]["samples"] == 3
+    # mbpp has no file: reported as skipped, not silently dropped
+    assert "skipped" in on_disk["tasks"]["mbpp"]
+    assert "mbpp" in (out / "results.md").read_text()
+    # overall counters are the sum of the per-task ones
+    t = res["tasks"]
+    assert res["overall"]["rounds"] == t["gsm8k"]["rounds"] + t["mt-bench"]["rounds"]
+    assert res["overall"]["accepted_tokens"] == t["gsm8k"]["accepted_tokens"] + t["mt-bench"]["accepted_tokens"]
+    assert res["overall"]["tau"] == pytest.approx(1 + res["overall"]["accepted_tokens"] / res["overall"]["rounds"])
+    # greedy, fp32: every turn identical to target-only decoding
+    m = res["greedy_outputs_match_target"]
+    assert m["turns"] == 3 + 2 and m["matched_turns"] == m["turns"]
+    assert res["overall"]["speedup"] > 0 and res["overall"]["target_tokens"] == res["overall"]["spec_tokens"]
+    # MT-Bench: both turns asked, the second after the model's own first answer
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    mt = [s for s in samples if s["task"] == "mt-bench"][0]
+    assert len(mt["turns"]) == 2 and mt["turns"][1]["prompt_tokens"] > mt["turns"][0]["prompt_tokens"] + mt["turns"][0]["new_tokens"]
+    # tensorboard event file in the run dir
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_target_override_and_mismatch(tiny_ckpt, datasets_dir, tmp_path, tiny_qwen3_dir):
+    from deepspec.errors import CheckpointError
+    from deepspec.eval.runner import evaluate
+
+    # a target of another width is refused with a CheckpointError naming the fix
+    from deepspec.targets import save_tiny_target
+
+    wide = save_tiny_target(tmp_path / "wide", "llama", hidden_size=96, head_dim=24)
+    cfg = _cfg(datasets_dir, tmp_path / "e", f"target.name={wide}", "eval.tasks=[gsm8k]", "eval.max_samples=1")
+    with pytest.raises(CheckpointError, match="hidden size 96") as e:
+        evaluate(cfg, tiny_ckpt)
+
+
+def test_two_workers_merge_like_one(tiny_ckpt, datasets_dir, tmp_path):
+    """2 spawned CPU workers, samples strided: merged counters equal the single-worker run (greedy)."""
+    from deepspec.eval.runner import evaluate
+
+    one = evaluate(_cfg(datasets_dir, tmp_path / "one", "eval.measure_speedup=false"), tiny_ckpt)
+    two = evaluate(_cfg(datasets_dir, tmp_path / "two", "eval.measure_speedup=false", "eval.num_workers=2"), tiny_ckpt)
+    for key in ("rounds", "proposed_tokens", "accepted_tokens", "generated_tokens"):
+        assert one["overall"][key] == two["overall"][key]
+    assert two["meta"]["num_workers"] == 2
+
+
+def test_cli_flags_become_overrides(tiny_ckpt, datasets_dir, tmp_path):
+    from deepspec.cli import build_parser
+    from deepspec.eval.cli import load_eval_config
+
+    args = build_parser().parse_args([
+        "eval", str(tiny_ckpt), "--tasks", "gsm8k", "mt-bench", "--max-samples", "2", "--temperature", "0.7", "--nproc", "2",
+        "--target", "/some/where", "--opts", "eval.max_new_tokens=5",
+    ])
+    cfg = load_eval_config(args)
+    assert cfg.eval.tasks == ["gsm8k", "mt-bench"] and cfg.eval.max_samples == 2 and cfg.eval.temperature == 0.7
+    assert cfg.eval.num_workers == 2 and cfg.target.name == "/some/where" and cfg.eval.max_new_tokens == 5
