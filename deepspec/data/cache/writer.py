@@ -256,28 +256,31 @@ def shard_done(directory: Path, plan: Plan, s: int) -> bool:
     return idx.is_file() and bin_path.is_file() and bin_path.stat().st_size == plan.shard_bytes(s)
 
 
-def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str | None = None, cfg=None) -> int:
-    """Capture every unfinished shard s with s % world == rank; returns how many were written."""
+def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str | None = None, cfg=None, model=None) -> int:
+    """Capture every unfinished shard s with s % world == rank; returns how many were written.
+
+    `model`: an already loaded target (HF causal LM); otherwise the target of `cfg` is loaded."""
     todo = [s for s in range(len(plan.shards)) if s % world == rank and not shard_done(directory, plan, s)]
     skipped = sum(1 for s in range(len(plan.shards)) if s % world == rank) - len(todo)
     if skipped:
         log.info("rank %d: %d shard(s) already complete, %d to write", rank, skipped, len(todo))
     if not todo:
         return 0
-    from deepspec.targets import load_target_from_config
+    if model is None:
+        from deepspec.targets import load_target_from_config
 
-    device = device or os.environ.get("DEEPSPEC_CACHE_DEVICE")
-    if device is None:
-        import torch
+        device = device or os.environ.get("DEEPSPEC_CACHE_DEVICE")
+        if device is None:
+            import torch
 
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-    target = load_target_from_config(cfg.target, device=device)
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+        model = load_target_from_config(cfg.target, device=device).model
     total_tokens = sum(len(x.input_ids) for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
     bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
     bar.bytes_written = 0
     try:
         for s in todo:
-            _write_shard(directory, plan, s, target.model, bar)
+            _write_shard(directory, plan, s, model, bar)
     finally:
         bar.close()
     return len(todo)
