@@ -286,8 +286,12 @@ def test_manifest_mismatch_names_the_fields(bf16_cache):
         fmt.check_manifest(m, {"hidden_size": 128, "dtype": "fp8", "template_hash": "0" * 16, "target": "other"})
     for field in ("hidden_size", "dtype", "template_hash", "target"):
         assert field in str(e.value)
+    assert len(open_cache(d, cfg)) == m["counts"]["samples"]  # the config it was built with passes
     other = config_from_dict({"target": {"name": cfg.target.name}, "model": {"target_layer_ids": [0, 2]}})
-    with pytest.raises(CacheError, match="taps"):
+    with pytest.raises(CacheError, match=r"taps: cache has \[1, 2\], run wants \[0, 2\]"):
+        open_cache(d, other)
+    other = config_from_dict({"target": {"name": cfg.target.name}, "cache": {"dtype": "fp8"}})
+    with pytest.raises(CacheError, match="dtype"):
         open_cache(d, other)
 
 

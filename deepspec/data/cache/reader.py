@@ -139,16 +139,21 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_mul
     return DraftBatch(input_ids=ids, loss_mask=loss, attention_mask=att, taps=taps, final_hidden=final)
 
 
-def expected_provenance(cfg, target=None, taps: Sequence[int] | None = None) -> dict[str, Any]:
-    """What a training run expects of its cache, from its config (+ the loaded target if any)."""
+def expected_provenance(cfg, target=None) -> dict[str, Any]:
+    """What a training run expects of its cache: from its config and the target (the loaded one, or
+    its tokenizer + HF config, which are cheap to read)."""
+    from deepspec.data.cache.writer import _load_plan_inputs, resolve_taps
+    from deepspec.targets import template_hash
+
     exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision}
-    if taps is not None:
-        exp["taps"] = list(taps)
-    elif cfg.model.target_layer_ids:
-        exp["taps"] = list(cfg.model.target_layer_ids)
     if target is not None:
-        exp["hidden_size"] = target.config.hidden_size
-        exp["template_hash"] = target.template_hash
+        tconf, thash = target.config, target.template_hash
+    else:
+        tokenizer, tconf = _load_plan_inputs(cfg)
+        thash = template_hash(tokenizer)
+    exp["hidden_size"] = tconf.hidden_size
+    exp["template_hash"] = thash
+    exp["taps"] = resolve_taps(cfg, tconf.num_hidden_layers)
     return exp
 
 

@@ -95,10 +95,20 @@ def read_conversations(path: Path):
 
 
 def resolve_taps(cfg, num_layers: int) -> list[int]:
-    """The taps to cache: model.target_layer_ids, or the default spread for this depth."""
+    """The taps to cache: model.target_layer_ids, or the draft algorithm's default for this depth
+    (the same rule the draft uses when it is built, so the cache and the draft agree)."""
+    from deepspec.errors import ConfigError
     from deepspec.targets import default_taps, validate_taps
 
-    taps = list(cfg.model.target_layer_ids) or default_taps(num_layers)
+    count = 3
+    if not cfg.model.target_layer_ids:
+        try:
+            from deepspec.drafts.registry import get_algorithm
+
+            count = int(getattr(get_algorithm(cfg.model.algorithm), "default_num_taps", 3))
+        except (ConfigError, ImportError):
+            pass
+    taps = list(cfg.model.target_layer_ids) or default_taps(num_layers, count)
     return validate_taps(taps, num_layers)
 
 
