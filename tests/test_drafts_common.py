@@ -62,10 +62,10 @@ def test_hidden_size_override_refused():
     assert (arch.intermediate_size, arch.num_attention_heads, arch.num_key_value_heads) == (48, 2, 1)
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
 def test_checkpoint_round_trip(tmp_path, algorithm):
     model, _ = tiny_target("qwen3")
-    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], draft_vocab_size=64, ttt_length=2, block_size=3, num_anchors=4)
+    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], draft_vocab_size=64 if algorithm == "eagle3" else None, markov_head_type="gated", markov_rank=8, ttt_length=2, block_size=3, num_anchors=4)
     draft = get_algorithm(algorithm).from_target_config(model.config, cfg)
     draft.load_target_weights(*target_weights(model))
     ids = torch.randint(0, 250, (1, 12))

@@ -37,6 +37,10 @@ class ModelConfig:
     block_size: int = 7
     num_anchors: int = 512
     mask_token_id: int | None = None
+    # Which block slots predict. false: slot j>=1 (a MASK at position anchor+j) predicts token anchor+j,
+    # K-1 drafts per block, as vLLM's DFlashDraftModel runs; true: slot j predicts token anchor+j+1
+    # (DeepSpec/DSpark), K drafts. null = the algorithm's default (dflash false, dspark true).
+    sample_from_anchor: bool | None = None
     loss_decay_gamma: float = 4.0
     # DSpark
     markov_rank: int = 256
@@ -60,5 +64,7 @@ class ModelConfig:
             )
         if self.block_size < 1 or self.ttt_length < 1:
             raise ConfigError("model.block_size and model.ttt_length must be >= 1.")
+        if self.markov_rank < 1 and self.algorithm == "dspark":
+            raise ConfigError("model.markov_rank must be >= 1 for DSpark (use model.algorithm=dflash for no Markov head).")
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")

@@ -1,0 +1,349 @@
+"""The block drafter shared by DFlash and DSpark: one parallel forward drafts a whole block.
+
+Context: ctx = hidden_norm(fc(taps)) of every committed position, injected as extra keys/values
+(k_proj/v_proj of ctx, with k_norm and RoPE) into every draft layer. A block for anchor a is
+[token a, MASK x (K-1)] at positions a..a+K-1; it attends to context positions < a (strict: the
+anchor has no target hidden state yet at decoding time) and bidirectionally to its own K slots,
+never to another block.
+
+Which slots predict (`sample_from_anchor`):
+  * false (DFlash, what vLLM's DFlashDraftModel runs): slot j >= 1 predicts token a+j -> K-1 drafts;
+  * true (DSpark, DeepSpec's "anchor as first prediction"): slot j predicts token a+j+1 -> K drafts.
+Prediction p (0-based) of anchor a is therefore always token a+1+p, and is supervised while the
+labels a+1..a+1+p are all loss-masked response tokens (contiguous-prefix masking), with weight
+exp(-p / loss_decay_gamma).
+
+Losses and the full-vocabulary softmax / TV run over chunks of `model.vocab_chunk_rows` rows under
+activation checkpointing, so the [rows, V] logits of a 150k vocabulary never exist all at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from deepspec.drafts.base import DraftBatch, Metrics, Proposer
+from deepspec.drafts.common import TargetBackedDraft
+from deepspec.drafts.layers import DecoderLayer, DraftArch, RMSNorm, RotaryEmbedding, attend, softcap
+from deepspec.drafts.vocab import sample_token
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+# Mask token ids for targets whose tokenizer has no mask token. SmolLM2 (vocab 49152, every id used):
+# 16 = "<empty_output>", a StarCoder notebook special that chat never produces. Qwen3: 151669, an
+# unused row of the padded embedding (as DeepSpec/z-lab use).
+KNOWN_MASK_TOKENS = {49152: 16, 151936: 151669}
+
+
+def default_mask_token_id(vocab_size: int, tokenizer: Any = None) -> int:
+    """The tokenizer's mask token, else a documented choice per vocabulary, else the last embedding row
+    (unused padding in padded vocabularies such as the tiny test targets')."""
+    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    return KNOWN_MASK_TOKENS.get(vocab_size, vocab_size - 1)
+
+
+class BlockDraft(TargetBackedDraft):
+    """DFlash backbone; subclasses add sequential heads (DSpark) through the `_head_*` hooks."""
+
+    default_qk_norm = True  # Qwen3-style layers (what vLLM's DFlash/DSpark models build), for every target family
+    default_sample_from_anchor = False
+
+    def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
+        super().__init__(arch, model_cfg, taps)
+        n, ht, h, eps = len(taps), arch.target_hidden_size, arch.hidden_size, arch.rms_norm_eps
+        if model_cfg.draft_vocab_size:
+            log.warning("model.draft_vocab_size is ignored by %s: it drafts over the full target vocabulary.", model_cfg.algorithm)
+        self.fc = nn.Linear(n * ht, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(h, eps)
+        self.rotary = RotaryEmbedding(arch)
+        self.block_size = model_cfg.block_size
+        self.mask_token_id = model_cfg.mask_token_id if model_cfg.mask_token_id is not None else default_mask_token_id(arch.vocab_size)
+        if not 0 <= self.mask_token_id < arch.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{arch.vocab_size - 1})")
+        sfa = model_cfg.sample_from_anchor
+        self.sample_from_anchor = self.default_sample_from_anchor if sfa is None else bool(sfa)
+        self.draft_vocab_size = arch.vocab_size
+
+    @property
+    def num_predictions(self) -> int:
+        return self.block_size - 1 + int(self.sample_from_anchor)
+
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.sample_from_anchor else 1
+
+    def export_config(self) -> dict[str, Any]:
+        out = super().export_config()
+        out.update(mask_token_id=self.mask_token_id, sample_from_anchor=self.sample_from_anchor, block_size=self.block_size)
+        return out
+
+    # --- backbone ---------------------------------------------------------------------------------
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """Per-layer keys/values of the context features (the same ctx feeds every layer)."""
+        cos, sin = self.rotary(positions, ctx.dtype)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[KV], mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Q, H] block embeddings at `positions` -> final-normed hidden [B, Q, H].
+        mask [B, 1, Q, S+Q] covers the context keys then the block keys."""
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, (kc, vc) in zip(self.layers, ctx_kv):
+            a = layer.self_attn
+            hq = layer.input_layernorm(x)
+            k, v = a.project_kv(hq, cos, sin)
+            k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
+            x = x + a.output(attend(a.project_q(hq, cos, sin), k, v, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return softcap(h @ self.target_lm_head.to(h.dtype).T, self.arch.logit_softcap)
+
+    # --- sequential head hooks (DSpark overrides) ---------------------------------------------------
+    def _head_features(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """h [N, P, H], prev [N, P] (token before each prediction) -> per-prediction head features or None."""
+        return None
+
+    def _head_bias(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def _loss_weights(self) -> tuple[float, float, float]:
+        """(ce, l1, confidence) loss weights; DFlash trains with CE only (DeepSpec's DFlash recipe)."""
+        return 1.0, 0.0, 0.0
+
+    # --- training ---------------------------------------------------------------------------------
+    def sample_anchors(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to num_anchors anchors per row among a with loss_mask[a] & loss_mask[a+1]; returns
+        (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep False)."""
+        b, t = loss_mask.shape
+        valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+        valid[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+        a = max(1, min(self.model_cfg.num_anchors, t))
+        score = torch.rand(b, t, device=loss_mask.device).masked_fill(~valid, -1.0)
+        top = score.topk(a, dim=1)
+        keep = top.values >= 0
+        anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
+        order = torch.where(keep, anchors, torch.full_like(anchors, t)).argsort(dim=1)
+        return anchors.gather(1, order), keep.gather(1, order)
+
+    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, attention_mask: torch.Tensor):
+        """Block token ids / positions [B, A*K] and the attention mask [B, 1, A*K, T + A*K]."""
+        b, t = input_ids.shape
+        k = self.block_size
+        dev = input_ids.device
+        na = anchors.shape[1]
+        slot = torch.arange(k, device=dev)
+        ids = torch.full((b, na, k), self.mask_token_id, dtype=input_ids.dtype, device=dev)
+        ids[:, :, 0] = input_ids.gather(1, anchors)
+        pos = (anchors.unsqueeze(-1) + slot).reshape(b, na * k)
+        q_anchor = anchors.repeat_interleave(k, dim=1)  # [B, Q]
+        q_keep = keep.repeat_interleave(k, dim=1)
+        ctx_vis = (torch.arange(t, device=dev)[None, None, :] < q_anchor[:, :, None]) & attention_mask.bool()[:, None, :] & q_keep[:, :, None]
+        block_id = torch.arange(na, device=dev).repeat_interleave(k)
+        own = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)  # dummy blocks see only themselves (no NaN rows)
+        mask = torch.cat([ctx_vis, own], dim=2).unsqueeze(1)
+        return ids.reshape(b, na * k), pos, mask
+
+    def block_labels(self, input_ids, loss_mask, attention_mask, anchors, keep):
+        """Prediction p of anchor a targets token a+1+p. Returns (labels [B, A, P], eval_mask [B, A, P]:
+        the contiguous supervised prefix, label positions clamped to T-1 [B, A, P])."""
+        b, t = input_ids.shape
+        na, p_n = anchors.shape[1], self.num_predictions
+        label_pos = anchors.unsqueeze(-1) + 1 + torch.arange(p_n, device=anchors.device)
+        lp = label_pos.clamp(max=t - 1)
+        flat = lp.view(b, -1)
+        labels = input_ids.gather(1, flat).view(b, na, p_n)
+        ok = (label_pos < t) & loss_mask.bool().gather(1, flat).view(b, na, p_n) & attention_mask.bool().gather(1, flat).view(b, na, p_n)
+        ok = ok & keep.unsqueeze(-1)
+        return labels, ok.long().cumprod(dim=-1).bool(), lp
+
+    def block_hidden(self, batch: DraftBatch, anchors: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of every block slot: [B, A, K, H]."""
+        b, t = batch.input_ids.shape
+        ids, pos, mask = self.block_inputs(batch.input_ids, anchors, keep, batch.attention_mask)
+        ctx = self.context(batch.taps)
+        ctx_pos = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
+        x = self.embed(ids).to(ctx.dtype)
+        h = self.backbone(x, pos, self.context_kv(ctx, ctx_pos), mask)
+        return h.view(b, anchors.shape[1], self.block_size, -1)
+
+    def loss(self, batch: DraftBatch, anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+        ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
+        b, t = ids.shape
+        dev = ids.device
+        if anchors is None:
+            anchors, keep = self.sample_anchors(lm, am)
+        elif keep is None:
+            keep = torch.ones_like(anchors, dtype=torch.bool)
+        na, p_n = anchors.shape[1], self.num_predictions
+        h = self.block_hidden(batch, anchors, keep)[:, :, self.first_slot :]  # [B, A, P, H]
+        p_idx = torch.arange(p_n, device=dev)
+        labels, eval_mask, lp = self.block_labels(ids, lm, am, anchors, keep)
+        prev = ids.gather(1, (lp - 1).view(b, -1)).view(b, na, p_n)  # token a+p, the one before each label
+        z = self._head_features(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
+        conf = self._confidence_logit(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
+        weights = torch.exp(-p_idx.float() / self.model_cfg.loss_decay_gamma).expand(b, na, p_n)
+        # keep only supervised rows: everything below is per row
+        sel = eval_mask.reshape(-1)
+        rows_h = h.reshape(-1, h.shape[-1])[sel]
+        rows_z = None if z is None else z.reshape(-1, z.shape[-1])[sel]
+        rows_conf = None if conf is None else conf.reshape(-1)[sel]
+        rows_label = labels.reshape(-1)[sel]
+        rows_fh = batch.final_hidden.gather(1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])[sel]
+        rows_w = weights.reshape(-1)[sel]
+        rows_depth = p_idx.expand(b, na, p_n).reshape(-1)[sel]
+        ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label)
+        w_sum = rows_w.sum().clamp(min=1e-9)
+        ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
+        ce_loss = (rows_w * ce).sum() / w_sum
+        l1_loss = (rows_w * l1).sum() / w_sum
+        total = ce_alpha * ce_loss + l1_alpha * l1_loss
+        metrics: Metrics = {
+            "ce_loss": ((rows_w * ce).sum().detach(), rows_w.sum()),
+            "l1_loss": ((rows_w * l1).sum().detach(), rows_w.sum()),
+        }
+        if rows_conf is not None:
+            target_acc = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+            bce = F.binary_cross_entropy_with_logits(rows_conf.float(), target_acc, reduction="none")
+            conf_loss = (rows_w * bce).sum() / w_sum
+            total = total + conf_alpha * conf_loss
+            err = (torch.sigmoid(rows_conf.detach().float()) - target_acc).abs()
+            metrics["confidence_loss"] = ((rows_w * bce).sum().detach(), rows_w.sum())
+            metrics["confidence_abs_error"] = (err.sum(), torch.tensor(float(err.numel()), device=dev))
+        metrics.update(self._depth_metrics(alpha, top, rows_depth, eval_mask))
+        metrics["anchors"] = (keep.sum().float(), torch.tensor(float(b), device=dev))
+        return total, metrics
+
+    def _row_terms(self, h, z, fh, labels):
+        """Per supervised row: (CE, L1 = ||p_d - p_t||_1, alpha = sum min(p_d, p_t), top-1 match), chunked."""
+        n = h.shape[0]
+        if n == 0:
+            zero = h.sum() * 0.0
+            e = torch.zeros(0, device=h.device)
+            return zero.expand(0), zero.expand(0), e, e
+        chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
+        ces, l1s, alphas, tops = [], [], [], []
+        for i in range(0, n, chunk):
+            args = (h[i : i + chunk], fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
+            if torch.is_grad_enabled() and h.requires_grad and n > chunk:
+                ce, l1, alpha, top = checkpoint(self._chunk_terms, *args, use_reentrant=False)
+            else:
+                ce, l1, alpha, top = self._chunk_terms(*args)
+            ces.append(ce), l1s.append(l1), alphas.append(alpha), tops.append(top)
+        return torch.cat(ces), torch.cat(l1s), torch.cat(alphas), torch.cat(tops)
+
+    def _chunk_terms(self, h, fh, labels, z=None):
+        logits = self.base_logits(h).float()
+        if z is not None:
+            logits = logits + self._head_bias(z).float()
+        with torch.no_grad():
+            p_t = torch.softmax(self.target_logits(fh), dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        p_d = logp.exp()
+        l1 = (p_d - p_t).abs().sum(-1)
+        alpha = torch.minimum(p_d.detach(), p_t).sum(-1)
+        top = (logits.detach().argmax(-1) == p_t.argmax(-1)).float()
+        return ce, l1, alpha, top
+
+    def _depth_metrics(self, alpha, top, depth, eval_mask) -> Metrics:
+        """acc_cond@k / top1@k per prediction depth over supervised predictions (teacher-forced prefix);
+        expected_tau / greedy_tau per block = 1 + sum_k prod_{i<=k} alpha_i over its supervised prefix
+        (blocks with at least one supervised prediction); survival@k = mean prod_{i<=k} alpha_i."""
+        out: Metrics = {}
+        p_n = self.num_predictions
+        dev = eval_mask.device
+        a_full = torch.zeros(eval_mask.shape, device=dev).reshape(-1)
+        t_full = torch.zeros_like(a_full)
+        sel = eval_mask.reshape(-1)
+        a_full[sel] = alpha.detach().float()
+        t_full[sel] = top.float()
+        a_full, t_full = a_full.view(-1, p_n), t_full.view(-1, p_n)
+        m = eval_mask.reshape(-1, p_n).float()
+        for k in range(p_n):
+            cnt = m[:, k].sum()
+            out[f"acc_cond@{k + 1}"] = ((a_full[:, k] * m[:, k]).sum(), cnt)
+            out[f"top1@{k + 1}"] = ((t_full[:, k] * m[:, k]).sum(), cnt)
+        e_cum = torch.cumprod(torch.where(m.bool(), a_full, torch.zeros_like(a_full)), dim=1) * m
+        g_cum = torch.cumprod(torch.where(m.bool(), t_full, torch.zeros_like(t_full)), dim=1) * m
+        blocks = m[:, 0]
+        for k in range(p_n):
+            out[f"survival@{k + 1}"] = (e_cum[:, k].sum(), m[:, k].sum())
+        out["expected_tau"] = (((1 + e_cum.sum(1)) * blocks).sum(), blocks.sum())
+        out["greedy_tau"] = (((1 + g_cum.sum(1)) * blocks).sum(), blocks.sum())
+        return out
+
+    # --- decoding ---------------------------------------------------------------------------------
+    def proposer(self) -> "BlockProposer":
+        return BlockProposer(self)
+
+    def draft_block(self, h: torch.Tensor, anchor_token: int, num_tokens: int, temperature: float, generator):
+        """h [P, H] prediction-slot hidden states -> (tokens, probs); DFlash samples slots independently."""
+        logits = self.base_logits(h)
+        tids = torch.arange(self.arch.vocab_size, device=h.device)
+        toks, probs = [], []
+        for p in range(min(num_tokens, h.shape[0])):
+            tok, pr = sample_token(logits[p], tids, self.arch.vocab_size, temperature, generator)
+            toks.append(tok)
+            probs.append(pr)
+        return toks, probs
+
+
+class BlockProposer(Proposer):
+    """Caches the context K/V of committed positions; each call runs one block forward."""
+
+    def __init__(self, draft: BlockDraft):
+        self.draft = draft
+        self.reset()
+
+    def reset(self) -> None:
+        self.ctx_kv: list[KV] | None = None
+        self.n = 0
+        self.last_hidden: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def propose(self, input_ids, new_taps, start, num_tokens, temperature=0.0, generator=None):
+        d = self.draft
+        dev, dtype = d.fc.weight.device, d.fc.weight.dtype
+        total = input_ids.numel()
+        if start > self.n:
+            raise ValueError(f"propose(start={start}) skips positions {self.n}..{start - 1} the draft never saw")
+        if self.ctx_kv is not None and start < self.n:
+            self.ctx_kv = [(k[:, :, :start], v[:, :, :start]) for k, v in self.ctx_kv]
+        self.n = start
+        m = total - 1 - start
+        if m > 0:
+            ctx = d.context(new_taps.to(device=dev, dtype=dtype).unsqueeze(0))
+            kv = d.context_kv(ctx, torch.arange(start, total - 1, device=dev).unsqueeze(0))
+            self.ctx_kv = kv if self.ctx_kv is None else [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(self.ctx_kv, kv)]
+            self.n = total - 1
+        if self.ctx_kv is None or num_tokens <= 0:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, d.arch.vocab_size)
+        anchor = total - 1
+        k = d.block_size
+        ids = torch.full((1, k), d.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = int(input_ids[-1])
+        pos = torch.arange(anchor, anchor + k, device=dev).unsqueeze(0)
+        h = d.backbone(d.embed(ids).to(dtype), pos, self.ctx_kv, None)[0, d.first_slot :]
+        self.last_hidden = h
+        toks, probs = d.draft_block(h, int(input_ids[-1]), num_tokens, temperature, generator)
+        if not toks:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, d.arch.vocab_size)
+        return torch.tensor(toks, dtype=torch.long), torch.stack(probs).cpu()
+
