@@ -1,17 +1,285 @@
-"""Placeholder for the pipeline runner (issue 8): argument parsing exists, the stage itself is not built yet."""
+"""`deepspec run CONFIG [CONFIG ...]`: every stage of one or more recipes, skipping finished work.
+
+prompts -> regenerate -> cache -> train -> eval (ours) -> export + serve in vLLM (engine acceptance).
+Each stage checks its own artifact first, so a second run costs seconds and a crashed run resumes
+where it stopped. Several recipes that share a project (e.g. config/quickstart/{eagle3,dflash,dspark})
+share the data stages and end in one comparison table.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
-from deepspec.cli import add_config_arguments, config_from_args
-from deepspec.errors import DeepSpecError
+from deepspec.cli import config_from_args
+from deepspec.errors import ConfigError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+STAGES = ("prompts", "regenerate", "cache", "train", "eval", "engine")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser)
+    parser.add_argument("config", nargs="+", help="one or more YAML recipes (recipes after the first reuse its data)")
+    parser.add_argument(
+        "--opts", nargs="+", default=[], metavar="KEY=VALUE", help="overrides applied to every recipe, e.g. train.max_steps=100"
+    )
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="run only these stages")
+    parser.add_argument("--no-engine", action="store_true", help="skip serving the export in vLLM")
+    parser.add_argument("--nproc", type=int, default=1, help="training workers (>1 launches them with torchrun)")
+
+
+@dataclass
+class StageRecord:
+    name: str
+    seconds: float = 0.0
+    skipped: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecipeResult:
+    config_path: str
+    cfg: Any
+    stages: list[StageRecord] = field(default_factory=list)
+    checkpoint: Path | None = None
+    eval_dir: Path | None = None
+    results: dict[str, Any] | None = None
+
+
+def _timed(records: list[StageRecord], name: str, fn: Callable[[], tuple[bool, dict[str, Any]]]) -> StageRecord:
+    """Run a stage function returning (skipped, detail) and record its wall time."""
+    log.info("=== stage %s ===", name)
+    t0 = time.monotonic()
+    skipped, detail = fn()
+    rec = StageRecord(name, round(time.monotonic() - t0, 1), skipped, detail)
+    records.append(rec)
+    log.info("=== stage %s %s in %.1f s ===", name, "reused (already complete)" if skipped else "done", rec.seconds)
+    return rec
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def stage_prompts(cfg) -> tuple[bool, dict[str, Any]]:
+    from deepspec.data import prompts
+
+    if prompts.is_complete(cfg):
+        return True, {"output": str(cfg.conversations_path)}
+    prompts.build_prompts(cfg)
+    return False, {"output": str(cfg.conversations_path)}
+
+
+def stage_regenerate(cfg) -> tuple[bool, dict[str, Any]]:
+    from deepspec.data import regenerate
+
+    if regenerate.is_complete(cfg):
+        return True, {"output": str(cfg.regenerated_path)}
+    summary = regenerate.regenerate(cfg)
+    keep = ("engine", "done", "skipped", "failed", "output_tokens")
+    detail = {k: summary.get(k) for k in keep}
+    train_split = summary.get("splits", {}).get("train", {})
+    if "tokens_per_s" in train_split:
+        detail["tokens_per_s"] = train_split["tokens_per_s"]
+    return False, detail
+
+
+def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
+    from deepspec.data.cache.format import is_complete, load_manifest
+    from deepspec.data.cache.writer import build_cache
+
+    splits = [("train", cfg.cache_train_dir)]
+    if cfg.regenerated_heldout_path.is_file():
+        splits.append(("heldout", cfg.cache_heldout_dir))
+    skipped = all(is_complete(d) for _, d in splits)
+    for split, d in splits:
+        if not is_complete(d):
+            build_cache(cfg, split, nproc=cfg.cache.num_workers)
+    manifest = load_manifest(cfg.cache_train_dir)
+    counts = manifest.get("counts", {})
+    return skipped, {"dir": str(cfg.cache_dir), "dtype": cfg.cache.dtype, **{k: v for k, v in counts.items() if isinstance(v, (int, float))}}
+
+
+def stage_train(cfg, nproc: int) -> tuple[bool, dict[str, Any]]:
+    from deepspec.train.checkpoint import latest_step_dir, read_best
+
+    before = latest_step_dir(cfg.run_dir)
+    if nproc > 1:
+        from deepspec.train import launch
+
+        final = launch(cfg, nproc)
+    else:
+        from deepspec.train import train
+
+        final = train(cfg)
+    final = Path(final)
+    skipped = before is not None and before.resolve() == final.resolve()
+    detail: dict[str, Any] = {"checkpoint": str(final)}
+    best = read_best(cfg.run_dir)
+    if best:
+        detail["best"] = best
+    return skipped, detail
+
+
+def _eval_is_current(out_dir: Path, cfg) -> bool:
+    """Reuse results.json when it was made for the same eval settings."""
+    import yaml
+
+    from deepspec.config import config_to_dict
+
+    results, saved = out_dir / "results.json", out_dir / "config.yaml"
+    if not (results.is_file() and saved.is_file()):
+        return False
+    old = yaml.safe_load(saved.read_text()) or {}
+    return old.get("eval") == config_to_dict(cfg)["eval"] and old.get("target", {}).get("name") == cfg.target.name
+
+
+def stage_eval(cfg, checkpoint: Path, out_dir: Path, engine: bool) -> tuple[bool, dict[str, Any]]:
+    from deepspec.eval.runner import evaluate
+
+    if engine and cfg.model.algorithm not in ("eagle3", "dflash"):
+        log.warning("vLLM serves %s drafts only on its GPU model runner; engine-backed eval skipped on this machine", cfg.model.algorithm)
+        engine = False
+    cfg.eval.engine = "vllm" if engine else "none"
+    cfg.eval.output_dir = str(out_dir)
+    if _eval_is_current(out_dir, cfg):
+        results = json.loads((out_dir / "results.json").read_text())
+        return True, {"results": results}
+    results = evaluate(cfg, checkpoint, output_dir=out_dir, run_dir=cfg.run_dir)
+    return False, {"results": results}
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _fmt(x: Any, nd: int = 2) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "–"
+
+
+def summary_markdown(recipes: list[RecipeResult]) -> str:
+    lines = ["# deepspec run summary", ""]
+    tasks: list[str] = []
+    for r in recipes:
+        for t, v in ((r.results or {}).get("tasks") or {}).items():
+            if "skipped" not in v and t not in tasks:
+                tasks.append(t)
+    lines += [
+        "## tau per benchmark (ours, greedy unless configured; tau counts the bonus token)",
+        "",
+        "| algorithm | " + " | ".join(tasks) + " | overall | speedup | vLLM tau (S spec tokens) | ours tau@S | vLLM per-position acceptance |",
+        "|---" * (len(tasks) + 6) + "|",
+    ]
+    for r in recipes:
+        res = r.results or {}
+        row = [_fmt(((res.get("tasks") or {}).get(t) or {}).get("tau")) for t in tasks]
+        overall = res.get("overall") or {}
+        eng = (res.get("engine") or {}).get("overall") or {}
+        s = (res.get("engine") or {}).get("num_speculative_tokens")
+        eng_tau = f"{_fmt(eng.get('engine_tau'))} (S={s})" if eng.get("engine_tau") is not None else "–"
+        per_pos = eng.get("engine_survival") or []
+        pos = " / ".join(f"{p:.0%}" for p in per_pos) if per_pos else "–"
+        lines.append(
+            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {_fmt(overall.get('speedup'))}x | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} |"
+        )
+    lines += ["", "## per-depth conditional acceptance acc_cond@k (overall)", ""]
+    depth = max((len(((r.results or {}).get("overall") or {}).get("acc_cond") or []) for r in recipes), default=0)
+    if depth:
+        lines += ["| algorithm | " + " | ".join(f"k={k}" for k in range(1, depth + 1)) + " |", "|---" * (depth + 1) + "|"]
+        for r in recipes:
+            vals = (((r.results or {}).get("overall") or {}).get("acc_cond") or []) + [None] * depth
+            lines.append(f"| {r.cfg.model.algorithm} | " + " | ".join(_fmt(v) for v in vals[:depth]) + " |")
+    lines += ["", "## artifacts and stage times", ""]
+    for r in recipes:
+        lines.append(f"- **{r.cfg.model.algorithm}** (`{r.config_path}`): checkpoint `{r.checkpoint}`, eval `{r.eval_dir}` "
+                     f"(results.md, acceptance.png)")
+        for st in r.stages:
+            lines.append(f"  - {st.name}: {st.seconds:.0f} s" + (" (reused)" if st.skipped else ""))
+    return "\n".join(lines) + "\n"
+
+
+def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
+    out = []
+    for r in recipes:
+        res = r.results or {}
+        out.append({
+            "config": r.config_path,
+            "algorithm": r.cfg.model.algorithm,
+            "checkpoint": str(r.checkpoint) if r.checkpoint else None,
+            "eval_dir": str(r.eval_dir) if r.eval_dir else None,
+            "plot": str(r.eval_dir / "acceptance.png") if r.eval_dir else None,
+            "overall": res.get("overall"),
+            "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup")} for t, v in (res.get("tasks") or {}).items() if "skipped" not in v},
+            "engine": (res.get("engine") or {}).get("overall"),
+            "engine_num_speculative_tokens": (res.get("engine") or {}).get("num_speculative_tokens"),
+            "stages": [{"name": s.name, "seconds": s.seconds, "reused": s.skipped} for s in r.stages],
+        })
+    return {"recipes": out}
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def run(config_paths: list[str], opts: list[str] | None = None, *, stages: tuple[str, ...] = STAGES, engine: bool = True,
+        nproc: int = 1) -> list[RecipeResult]:
+    from deepspec.config import load_config, save_config
+
+    t_start = time.monotonic()
+    cfgs = [load_config(p, opts) for p in config_paths]
+    data_keys = {(str(c.data_dir), str(c.cache_dir)) for c in cfgs}
+    if len(data_keys) > 1:
+        log.info("recipes use %d different data/cache folders; data stages run for each", len(data_keys))
+    done_data: set[tuple[str, str]] = set()
+    recipes: list[RecipeResult] = []
+    for path, cfg in zip(config_paths, cfgs):
+        rec = RecipeResult(path, cfg)
+        recipes.append(rec)
+        key = (str(cfg.data_dir), str(cfg.cache_dir))
+        if key not in done_data:
+            save_config(cfg, cfg.project_dir, "run_config.yaml")
+            if "prompts" in stages:
+                _timed(rec.stages, "prompts", lambda: stage_prompts(cfg))
+            if "regenerate" in stages:
+                _timed(rec.stages, "regenerate", lambda: stage_regenerate(cfg))
+            if "cache" in stages and cfg.cache.mode == "offline":
+                _timed(rec.stages, "cache", lambda: stage_cache(cfg))
+            done_data.add(key)
+        if "train" in stages:
+            st = _timed(rec.stages, "train", lambda: stage_train(cfg, nproc))
+            rec.checkpoint = Path(st.detail["checkpoint"])
+        else:
+            from deepspec.train.checkpoint import latest_step_dir
+
+            rec.checkpoint = latest_step_dir(cfg.run_dir)
+        if rec.checkpoint is None:
+            continue
+        rec.eval_dir = rec.checkpoint / "eval"
+        if "eval" in stages:
+            use_engine = engine and "engine" in stages
+            st = _timed(rec.stages, "eval" + ("+engine" if use_engine else ""), lambda: stage_eval(cfg, rec.checkpoint, rec.eval_dir, use_engine))
+            rec.results = st.detail.pop("results")
+    if not recipes:
+        raise ConfigError("deepspec run needs at least one recipe.")
+    total = time.monotonic() - t_start
+    md = summary_markdown(recipes) + f"\nTotal wall time of this run: {total:.0f} s.\n"
+    project_dir = cfgs[0].project_dir
+    project_dir.mkdir(parents=True, exist_ok=True)
+    data = summary_json(recipes)
+    data["total_seconds"] = round(total, 1)
+    (project_dir / "summary.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    (project_dir / "summary.md").write_text(md)
+    print(md)
+    log.info("summary written to %s and %s", project_dir / "summary.md", project_dir / "summary.json")
+    return recipes
 
 
 def main(args: argparse.Namespace) -> int:
-    config_from_args(args)
-    raise DeepSpecError("This stage is not implemented yet (the pipeline runner (issue 8)); see the open issues.")
+    # Validate every recipe (and the overrides) before any stage starts.
+    for path in args.config:
+        config_from_args(argparse.Namespace(config=path, opts=args.opts))
+    run(args.config, args.opts, stages=tuple(args.stages), engine=not args.no_engine, nproc=args.nproc)
+    return 0
