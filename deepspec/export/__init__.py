@@ -1,1 +1,1 @@
-"""export stage."""
+"""Export: vLLM / SGLang checkpoint writers (writers.py) and the `deepspec export` CLI (cli.py)."""

@@ -1,0 +1,229 @@
+"""Write a deepspec draft checkpoint in the layout vLLM / SGLang load unchanged (see ENGINE_FORMATS.md).
+
+  * EAGLE-3 / 3.1 -> `LlamaForCausalLMEagle3` (Llama-style layers) or `Eagle3Qwen3ForCausalLM` (q/k norms),
+    aux layer ids = our taps + 1, draft vocabulary via d2t/t2d, embeddings omitted (shared with the target).
+  * DFlash        -> `DFlashDraftModel` (model_type qwen3), dflash_config.target_layer_ids = our taps.
+  * DSpark        -> speculators format (`speculators_model_type: dspark`) that vLLM maps to Qwen3DSparkModel.
+
+Layer ids are translated only through deepspec.targets.taps. The export refuses a checkpoint whose
+recorded target does not match the target it is exported for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspec.drafts.checkpoint import load_draft, read_draft_config
+from deepspec.errors import CheckpointError, ConfigError
+from deepspec.targets.taps import to_dflash_layer_ids, to_vllm_aux_ids
+
+FORMATS = ("vllm", "sglang")
+# Provenance fields compared against the target's own config.json (provenance key, HF config key).
+_CHECKED = (("target_vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size"), ("target_num_layers", "num_hidden_layers"))
+
+
+def _sizes(arch: dict[str, Any], model_type: str) -> dict[str, Any]:
+    rope = dict(arch["rope_parameters"])
+    return {
+        "model_type": model_type,
+        "hidden_size": arch["hidden_size"],
+        "intermediate_size": arch["intermediate_size"],
+        "num_attention_heads": arch["num_attention_heads"],
+        "num_key_value_heads": arch["num_key_value_heads"],
+        "head_dim": arch["head_dim"],
+        "num_hidden_layers": arch["num_layers"],
+        "rms_norm_eps": arch["rms_norm_eps"],
+        "rope_parameters": rope,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "max_position_embeddings": arch["max_position_embeddings"],
+        "hidden_act": arch["hidden_act"],
+        "attention_bias": arch["attention_bias"],
+        "vocab_size": arch["vocab_size"],
+        "tie_word_embeddings": False,
+        "target_hidden_size": arch["target_hidden_size"],
+    }
+
+
+def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | None:
+    """Compare the checkpoint's provenance and sizes with the target's config.json; raise on a mismatch.
+
+    `target` is a folder (or embedded name); without it, the provenance's target_path is used when it
+    exists. Returns the target's config dict (None when no target folder could be found)."""
+    from deepspec.targets.load import resolve_target_path
+
+    prov = meta.get("provenance", {})
+    path = None
+    if target is not None:
+        path = Path(resolve_target_path(target))
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"--target {target} is not a local model folder with config.json; export needs the target's config to check it.")
+    elif prov.get("target_path") and (Path(prov["target_path"]) / "config.json").is_file():
+        path = Path(prov["target_path"])
+    if path is None:
+        return None
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+    arch = meta["arch"]
+    expect = {"target_vocab_size": arch["vocab_size"], "target_hidden_size": arch["target_hidden_size"], "target_num_layers": arch["target_num_layers"]}
+    for key, hf_key in _CHECKED:
+        for source, value in (("provenance", prov.get(key)), ("draft", expect[key])):
+            if value is not None and cfg.get(hf_key) != value:
+                raise CheckpointError(
+                    f"The checkpoint was trained for another target: its {source} {key}={value} but {path} has {hf_key}={cfg.get(hf_key)}; "
+                    "export it for the target it was trained on (--target)."
+                )
+    arch_name = (cfg.get("architectures") or [None])[0]
+    if prov.get("target_architecture") and arch_name and prov["target_architecture"] != arch_name:
+        raise CheckpointError(
+            f"The checkpoint was trained for a {prov['target_architecture']} target but {path} is a {arch_name}; use the matching --target."
+        )
+    if prov.get("template_hash") and (path / "tokenizer_config.json").is_file():
+        from deepspec.targets.load import load_tokenizer, template_hash
+
+        got = template_hash(load_tokenizer(str(path)))
+        if got != prov["template_hash"]:
+            raise CheckpointError(
+                f"The target's chat template hash {got} differs from the checkpoint's template_hash {prov['template_hash']}; "
+                "the draft was trained on another template. Export it for the matching target."
+            )
+    return cfg
+
+
+def _eagle3(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    arch, mcfg = meta["arch"], meta["model"]
+    qwen = arch["qk_norm"]
+    cfg = _sizes(arch, "qwen3" if qwen else "llama")
+    full_vocab = draft.draft_vocab_size == arch["vocab_size"]
+    cfg.update(
+        architectures=["Eagle3Qwen3ForCausalLM" if qwen else "LlamaForCausalLMEagle3"],
+        eagle_aux_hidden_state_layer_ids=to_vllm_aux_ids(draft.taps),
+        draft_vocab_size=draft.draft_vocab_size,
+        fc_norm=bool(mcfg["fc_norm"]),
+        norm_output=bool(mcfg["norm_output"]),
+        norm_before_residual=bool(mcfg["norm_before_residual"]),
+        norm_before_fc=bool(mcfg["norm_before_fc"]),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in draft.state_dict().items():
+        if name in ("target_embed", "target_lm_head"):
+            continue
+        if name in ("d2t", "t2d") and full_vocab:
+            continue  # vLLM builds no d2t parameter for a full-vocabulary draft
+        if name.startswith("layers."):  # extra layers follow midlayer (= vLLM layer 0)
+            idx, rest = name[len("layers.") :].split(".", 1)
+            name = f"layers.{int(idx) + 1}.{rest}"
+        weights[name] = t
+    return cfg, weights
+
+
+def _block_weights(draft, keep_prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in draft.state_dict().items() if n.startswith(keep_prefixes)}
+
+
+def _dflash(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if draft.sample_from_anchor:
+        raise ConfigError(
+            "This DFlash draft was trained with model.sample_from_anchor=true, which vLLM's DFlashDraftModel does not run; "
+            "retrain with sample_from_anchor=false (the DFlash default) or train a DSpark draft."
+        )
+    cfg = _sizes(meta["arch"], "qwen3")
+    cfg.update(
+        architectures=["DFlashDraftModel"],
+        draft_vocab_size=meta["arch"]["vocab_size"],
+        block_size=draft.block_size,
+        dflash_config={"mask_token_id": draft.mask_token_id, "target_layer_ids": to_dflash_layer_ids(draft.taps), "causal": False},
+    )
+    return cfg, _block_weights(draft, ("fc.", "hidden_norm.", "norm.", "layers."))
+
+
+def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    mcfg = meta["model"]
+    if mcfg["markov_head_type"] != "vanilla":
+        raise ConfigError(
+            f"vLLM's Qwen3DSparkModel implements only the vanilla Markov head; this draft uses '{mcfg['markov_head_type']}'. "
+            "Train with model.markov_head_type=vanilla to export it."
+        )
+    layer = _sizes(meta["arch"], "qwen3")
+    layer["architectures"] = ["Qwen3ForCausalLM"]
+    cfg = {
+        "architectures": ["Qwen3DSparkModel"],
+        "speculators_model_type": "dspark",
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft.num_predictions}],
+            "verifier": {"name_or_path": target_name or meta.get("provenance", {}).get("target"), "architectures": [meta.get("provenance", {}).get("target_architecture")]},
+        },
+        "aux_hidden_state_layer_ids": to_vllm_aux_ids(draft.taps),
+        "draft_vocab_size": meta["arch"]["vocab_size"],
+        "target_hidden_size": meta["arch"]["target_hidden_size"],
+        "mask_token_id": draft.mask_token_id,
+        "markov_rank": mcfg["markov_rank"],
+        "markov_head_type": mcfg["markov_head_type"],
+        "block_size": draft.block_size,
+        "enable_confidence_head": draft.confidence_head is not None,
+        "confidence_head_with_markov": bool(draft.confidence_head is not None and draft.confidence_head.with_markov),
+        "sample_from_anchor": draft.sample_from_anchor,
+    }
+    weights = _block_weights(draft, ("fc.", "hidden_norm.", "norm.", "layers.", "markov_head.", "confidence_head."))
+    if "confidence_head.proj.weight" in weights:
+        weights = {k: (v.float() if k.startswith("confidence_head.") else v) for k, v in weights.items()}
+    return cfg, weights
+
+
+def export_draft(
+    checkpoint: str | Path,
+    out: str | Path,
+    fmt: str = "vllm",
+    target: str | None = None,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"Unknown export format '{fmt}'; use one of {', '.join(FORMATS)}.")
+    meta = read_draft_config(checkpoint)["deepspec"]
+    check_target(meta, target)
+    draft = load_draft(checkpoint)
+    algo = meta["algorithm"]
+    if algo == "eagle3":
+        cfg, weights = _eagle3(draft, meta)
+    elif algo == "dflash":
+        cfg, weights = _dflash(draft, meta)
+    elif algo == "dspark":
+        cfg, weights = _dspark(draft, meta, target)
+    else:
+        raise ConfigError(f"Export does not know algorithm '{algo}'.")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    cfg["torch_dtype"] = dtype
+    cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
+                       "provenance": meta.get("provenance", {}), "model": meta["model"]}
+    tensors = {}
+    for k, v in weights.items():
+        v = v.detach().cpu()
+        if v.is_floating_point() and not k.startswith("confidence_head."):
+            v = v.to(torch_dtype)
+        tensors[k] = v.contiguous()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
