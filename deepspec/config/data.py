@@ -77,6 +77,10 @@ class CacheConfig:
     shard_bytes: int = 512 * 1024 * 1024
     num_workers: int = 1
     batch_tokens: int = 16384
+    # Who runs the target while caching: `hf` (transformers) or `vllm` (extract_hidden_states).
+    capture_backend: Literal["hf", "vllm"] = "hf"
+    # Extra keyword arguments for vllm.LLM(...) when capture_backend is vllm.
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.max_length < 8:

