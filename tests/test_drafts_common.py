@@ -96,3 +96,24 @@ def test_checkpoint_round_trip(tmp_path, algorithm):
     torch.testing.assert_close(l1, l2)
     with pytest.raises(CheckpointError):
         load_draft(tmp_path)
+
+
+def test_gemma_style_options():
+    """Gemma targets: (1 + weight) norms, sqrt(H)-scaled embeddings and final-logit soft-capping, in the
+    same draft classes (no per-family copies)."""
+    from transformers import Gemma2Config
+
+    tc = Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, final_logit_softcapping=5.0)
+    for algorithm in ("eagle3", "dspark"):
+        draft = get_algorithm(algorithm).from_target_config(tc, ModelConfig(algorithm=algorithm, target_layer_ids=[1, 3], block_size=3, markov_rank=4))
+        arch = draft.arch
+        assert arch.norm_offset == 1.0 and arch.embed_scale == 8.0 and arch.logit_softcap == 5.0 and arch.hidden_act == "gelu_pytorch_tanh"
+        assert float(draft.norm.weight.detach().abs().sum()) == 0.0  # (1 + 0) * x at init
+        torch.nn.init.normal_(draft.target_lm_head, std=10.0)
+        ids = torch.randint(0, 300, (1, 10))
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        batch = DraftBatch(ids, ones, ones, torch.randn(1, 10, 2, 64), torch.randn(1, 10, 64))
+        loss, _ = draft.loss(batch)
+        assert torch.isfinite(loss)
+        assert float(draft.target_logits(batch.final_hidden).abs().max()) <= 5.0

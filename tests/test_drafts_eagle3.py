@@ -151,3 +151,22 @@ def test_eagle31_flags_change_exactly_what_they_should():
     assert "input_norm.weight" in dl.state_dict() and not any(k.startswith("fc_norm") for k in dl.state_dict())
     with pytest.raises(ConfigError, match="mutually exclusive"):
         _setup("llama", fc_norm=True, norm_before_fc=True)
+
+
+def test_acc_cond_is_expected_acceptance_and_chunk_invariant():
+    """acc_cond@1 = sum_v min(p_draft(v), p_target(v)) with the full-vocab target distribution,
+    whatever the row chunking of the target statistics."""
+    _, draft, ids, taps, final = _setup("llama", draft_vocab_size=120)
+    with torch.no_grad():
+        step0 = next(iter(draft.ttt_steps(ids, taps)))[1]
+        p_t = torch.softmax(final @ draft.target_lm_head.T, -1)[:, 1:-1]  # targets of rows 0..T-3
+        p_d = torch.softmax(step0[:, :-2], -1)
+        alpha = torch.minimum(p_d, p_t[..., draft.draft_target_ids()]).sum(-1)
+    values = []
+    for rows in (5, 100000):
+        draft.model_cfg.vocab_chunk_rows = rows
+        loss, m = draft.loss(_batch(ids, taps, final))
+        values.append((loss.detach(), m["acc_cond@1"][0], m["expected_tau"][0]))
+    torch.testing.assert_close(values[0][1], alpha.sum(), atol=1e-4, rtol=1e-5)
+    for a, b in zip(*values):
+        torch.testing.assert_close(a, b)

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from deepspec.drafts.base import DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
-from deepspec.drafts.layers import DecoderLayer, DraftArch, RMSNorm, RotaryEmbedding, attend, softcap
+from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
 from deepspec.drafts.vocab import sample_token
 from deepspec.log import get_logger
 
@@ -58,13 +58,13 @@ class BlockDraft(TargetBackedDraft):
 
     def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
         super().__init__(arch, model_cfg, taps)
-        n, ht, h, eps = len(taps), arch.target_hidden_size, arch.hidden_size, arch.rms_norm_eps
+        n, ht, h = len(taps), arch.target_hidden_size, arch.hidden_size
         if model_cfg.draft_vocab_size:
             log.warning("model.draft_vocab_size is ignored by %s: it drafts over the full target vocabulary.", model_cfg.algorithm)
         self.fc = nn.Linear(n * ht, h, bias=False)
-        self.hidden_norm = RMSNorm(h, eps)
+        self.hidden_norm = arch.make_norm(h)
         self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers)])
-        self.norm = RMSNorm(h, eps)
+        self.norm = arch.make_norm(h)
         self.rotary = RotaryEmbedding(arch)
         self.block_size = model_cfg.block_size
         self.mask_token_id = model_cfg.mask_token_id if model_cfg.mask_token_id is not None else default_mask_token_id(arch.vocab_size)

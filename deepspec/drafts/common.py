@@ -57,7 +57,8 @@ class TargetBackedDraft(DraftModel):
         """Hook: initialise trainable parts from the target (e.g. EAGLE-3's draft LM head)."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.target_embed)
+        e = F.embedding(ids, self.target_embed)
+        return e * self.arch.embed_scale if self.arch.embed_scale != 1.0 else e
 
     def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits (fp32) from its final normed hidden state."""

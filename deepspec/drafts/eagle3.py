@@ -21,7 +21,7 @@ from torch import nn
 
 from deepspec.drafts.base import DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
-from deepspec.drafts.layers import DecoderLayer, DraftArch, RMSNorm, RotaryEmbedding, attend, causal_mask, softcap
+from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import build_draft_vocab, sample_token, target_ids_of_draft_vocab
 
@@ -33,14 +33,13 @@ class Eagle3Draft(TargetBackedDraft):
     def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
         super().__init__(arch, model_cfg, taps)
         n, ht, h = len(taps), arch.target_hidden_size, arch.hidden_size
-        eps = arch.rms_norm_eps
-        self.input_norm = RMSNorm(n * ht, eps) if model_cfg.norm_before_fc else None
-        self.fc_norm = nn.ModuleList([RMSNorm(ht, eps) for _ in range(n)]) if model_cfg.fc_norm else None
+        self.input_norm = arch.make_norm(n * ht) if model_cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([arch.make_norm(ht) for _ in range(n)]) if model_cfg.fc_norm else None
         self.fc = nn.Linear(n * ht, h, bias=False)
         self.midlayer = DecoderLayer(arch, attn_in_dim=2 * h)
-        self.midlayer.hidden_norm = RMSNorm(h, eps)
+        self.midlayer.hidden_norm = arch.make_norm(h)
         self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers - 1)])
-        self.norm = RMSNorm(h, eps)
+        self.norm = arch.make_norm(h)
         self.rotary = RotaryEmbedding(arch)
         dv = model_cfg.draft_vocab_size if model_cfg.draft_vocab_size and model_cfg.draft_vocab_size < arch.vocab_size else arch.vocab_size
         self.draft_vocab_size = dv
@@ -136,14 +135,9 @@ class Eagle3Draft(TargetBackedDraft):
         ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
         b, t = ids.shape
         dev = ids.device
-        steps = self.model_cfg.ttt_length
         draft_tids = self.draft_target_ids()
         with torch.no_grad():
-            tlogits = self.target_logits(batch.final_hidden)  # [B, T, V]
-            p_full = torch.softmax(tlogits, dim=-1)
-            p_sub = torch.softmax(tlogits[..., draft_tids], dim=-1)  # soft labels on the draft vocabulary
-            t_top = tlogits.argmax(-1)
-            del tlogits
+            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids)
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -163,7 +157,7 @@ class Eagle3Draft(TargetBackedDraft):
             total = total + (self.model_cfg.step_loss_decay**k) * step_loss
             with torch.no_grad():
                 pd = logp.exp()
-                alpha = torch.minimum(pd, p_full[:, 1 + k : 1 + k + m][..., draft_tids]).sum(-1)
+                alpha = torch.minimum(pd, p_full[:, 1 + k : 1 + k + m]).sum(-1)
                 top = (draft_tids[lg.argmax(-1)] == t_top[:, 1 + k : 1 + k + m]).float()
                 a_full = torch.zeros(b, t, device=dev)
                 a_full[:, :m] = alpha
@@ -178,6 +172,23 @@ class Eagle3Draft(TargetBackedDraft):
             metrics[f"top1@{d}"] = ((top * v).sum(), cnt.detach())
         metrics.update(self._tau_metrics(alphas, tops, valids))
         return total, metrics
+
+    def _target_stats(self, final_hidden: torch.Tensor, draft_tids: torch.Tensor):
+        """Target distribution pieces on the draft vocabulary, computed in row chunks so the full
+        [B, T, V] logits never exist at once: (soft labels renormalised on the draft vocab,
+        full-vocab probabilities of the draft tokens, full-vocab argmax)."""
+        b, t, _ = final_hidden.shape
+        flat = final_hidden.reshape(b * t, -1)
+        chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
+        subs, lses, tops = [], [], []
+        for i in range(0, b * t, chunk):
+            tl = self.target_logits(flat[i : i + chunk])
+            lses.append(torch.logsumexp(tl, dim=-1))
+            tops.append(tl.argmax(-1))
+            subs.append(tl[:, draft_tids])
+        sub = torch.cat(subs).view(b, t, -1)
+        lse = torch.cat(lses).view(b, t, 1)
+        return torch.softmax(sub, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:

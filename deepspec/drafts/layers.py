@@ -38,9 +38,15 @@ class DraftArch:
     qk_norm: bool = False
     logit_softcap: float | None = None
     target_model_type: str = "llama"
+    # Gemma-style options: RMSNorm scales by (1 + weight); embeddings are multiplied by sqrt(hidden).
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def make_norm(self, dim: int) -> "RMSNorm":
+        return RMSNorm(dim, self.rms_norm_eps, self.norm_offset)
 
 
 def _rope_parameters(cfg: Any) -> dict[str, Any]:
@@ -78,6 +84,7 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
     model_type = getattr(cfg, "model_type", "llama")
     if qk_norm is None:
         qk_norm = model_type.startswith(("qwen3", "gemma3", "gemma4"))
+    gemma = model_type.startswith("gemma")
     softcap = model_cfg.logit_softcap if model_cfg.logit_softcap is not None else getattr(cfg, "final_logit_softcapping", None)
     return DraftArch(
         hidden_size=hidden,
@@ -97,21 +104,26 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
         qk_norm=bool(qk_norm),
         logit_softcap=softcap,
         target_model_type=model_type,
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=float(hidden) ** 0.5 if gemma else 1.0,
     )
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return ((self.offset + self.weight.float()) * x).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -184,8 +196,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.q_norm = arch.make_norm(self.head_dim)
+            self.k_norm = arch.make_norm(self.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
@@ -235,9 +247,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, arch: DraftArch, attn_in_dim: int | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = arch.make_norm(arch.hidden_size)
         self.self_attn = Attention(arch, attn_in_dim)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = arch.make_norm(arch.hidden_size)
         self.mlp = MLP(arch)
 
 

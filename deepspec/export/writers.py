@@ -193,6 +193,11 @@ def export_draft(
         raise ConfigError(f"Unknown export format '{fmt}'; use one of {', '.join(FORMATS)}.")
     meta = read_draft_config(checkpoint)["deepspec"]
     check_target(meta, target)
+    if meta["arch"].get("norm_offset") or meta["arch"].get("embed_scale", 1.0) != 1.0 or meta["arch"].get("logit_softcap"):
+        raise ConfigError(
+            "This draft uses Gemma-style norms / embedding scaling / logit soft-capping, which vLLM's Llama/Qwen3 draft "
+            "layouts cannot express; it can be evaluated with deepspec but not exported."
+        )
     draft = load_draft(checkpoint)
     algo = meta["algorithm"]
     if algo == "eagle3":
