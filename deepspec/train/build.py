@@ -87,18 +87,19 @@ def open_cache_datasets(cfg):
 
 
 def default_write_draft(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor], provenance: dict[str, Any]) -> None:
-    """HF-style draft folder: config.json (export_config + provenance) and fp32 model.safetensors."""
-    try:
-        from deepspec.drafts.checkpoint import save_draft  # type: ignore[attr-defined]
-    except ImportError:
-        save_draft = None
-    if save_draft is not None:
-        save_draft(model, directory, provenance=provenance, state_dict=weights)
-        return
+    """The draft checkpoint layout of deepspec.drafts.checkpoint (config.json + model.safetensors), written from
+    the gathered fp32 weights (so it also works when the live parameters are FSDP shards)."""
     from safetensors.torch import save_file
 
+    from deepspec.drafts.base import default_checkpoint_files
+
     directory.mkdir(parents=True, exist_ok=True)
-    config = dict(model.export_config())
-    config["provenance"] = provenance
-    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    save_file(weights, str(directory / "model.safetensors"))
+    cfg_path, weights_path = default_checkpoint_files(directory)
+    try:
+        from deepspec.drafts.checkpoint import draft_config_dict
+
+        config = draft_config_dict(model, provenance)
+    except ImportError:
+        config = {"deepspec": {"algorithm": getattr(model, "algorithm", "?"), **model.export_config(), "provenance": provenance}}
+    cfg_path.write_text(json.dumps(config, indent=2, default=str))
+    save_file(weights, str(weights_path), metadata={"format": "pt", "algorithm": str(getattr(model, "algorithm", ""))})

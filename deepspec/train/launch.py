@@ -39,6 +39,8 @@ def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, st
     path = save_config(cfg, run_dir, name="launch_config.yaml")
     cmd = torchrun_command(path, nproc, cfg.overrides, torchrun_args)
     run_env = dict(os.environ, **(env or {}))
+    # A wandb run in this process leaves WANDB_SERVICE pointing at its service; workers must start their own.
+    run_env.pop("WANDB_SERVICE", None)
     rc = subprocess.call(cmd, env=run_env)
     if rc != 0:
         raise DeepSpecError(f"Training workers failed (exit code {rc}); see the log above, fix the cause and rerun to resume.")

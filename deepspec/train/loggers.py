@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def _start_wandb(cfg, run_dir: Path):
     if id_file.is_file():
         run_id = id_file.read_text().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,9 @@ from deepspec.train.parallel import full_trainable_state, unwrap, wrap
 from deepspec.train.validate import best_metric, run_validation
 
 log = get_logger(__name__)
+
+# Fault injection (tests): rank 0 SIGKILLs itself right after finishing this step.
+_KILL_AFTER = int(os.environ["DEEPSPEC_TRAIN_KILL_AFTER_STEP"]) if os.environ.get("DEEPSPEC_TRAIN_KILL_AFTER_STEP") else None
 
 
 @dataclass
@@ -229,6 +234,9 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 if improved and info.is_main:
                     best_value = value
                     ckpt.record_best(run_dir, step, key, value)
+                    ckpt.prune(run_dir, tcfg.keep_last)  # the previous best may now be outside keep_last
+            if _KILL_AFTER is not None and step == _KILL_AFTER and info.is_main:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash/resume tests
     finally:
         bar.close()
         loggers.close()

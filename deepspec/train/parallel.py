@@ -38,14 +38,17 @@ def wrap(draft: nn.Module, parallel: str, world: int, device: torch.device) -> n
         fully_shard(module)
         return module
     if world > 1:
+        import warnings
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(
-            module,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False,  # buffers are the frozen target copies, identical everywhere
-            find_unused_parameters=True,  # e.g. heads switched off by a recipe
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename; the old name keeps init semantics
+            return DDP(
+                module,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,  # buffers are the frozen target copies, identical everywhere
+            )
     return module
 
 

@@ -7,6 +7,7 @@ from torchrun's environment and runs the same loop as `deepspec train`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         from deepspec.train.loop import train
 
         out = train(cfg)
-        print(f"deepspec: final checkpoint {out}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"deepspec: final checkpoint {out}", file=sys.stderr)
         return 0
     except DeepSpecError as e:
         print(f"deepspec: error: {e}", file=sys.stderr)

@@ -1,0 +1,356 @@
+"""Trainer: worker-count invariance (DDP, FSDP2), exact resume after SIGKILL, resume on another
+worker count, wandb/tensorboard series — all on a real cache of a tiny random Llama target and the
+real EAGLE-3 draft, with real torchrun + gloo workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _conversation(rng: random.Random, i: int) -> dict:
+    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
+    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 24)))
+    return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A recipe on the tiny target with a built train + held-out cache; runs write under train.output_root."""
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+
+    root = tmp_path_factory.mktemp("train")
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(32)))
+    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(8)))
+    path = root / "recipe.yaml"
+    path.write_text(
+        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
+project: t
+exp: e3
+output_root: {root}/out
+target: {{name: {tiny_llama_dir}}}
+data: {{dir: {data}}}
+cache: {{max_length: 128}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null}}
+train:
+  output_root: {root}/ckpt
+  global_batch_size: 8
+  micro_batch_size: 2
+  max_steps: {STEPS}
+  save_every: 2
+  val_every: 3
+  log_every: 1
+  keep_last: 2
+logging: {{progress: false}}
+"""
+    )
+    cfg = load_config(path)
+    build_cache(cfg, "train")
+    build_cache(cfg, "heldout")
+    return path
+
+
+def _cfg(recipe: Path, *opts: str):
+    from deepspec.config import load_config
+
+    return load_config(recipe, list(opts))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", PYTHONPATH=str(REPO))
+    env.pop("DEEPSPEC_TRAIN_KILL_AFTER_STEP", None)
+    env.pop("WANDB_SERVICE", None)  # set by the in-process reference run's wandb; workers need their own
+    env.update(extra)
+    return env
+
+
+def _train_sh(recipe: Path, nproc: int, *opts: str, **env: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(REPO / "scripts/train/train.sh"), str(recipe), "--nproc", str(nproc)]
+    if opts:
+        cmd += ["--opts", *opts]
+    return subprocess.run(cmd, env=_env(PYTHON=sys.executable, **env), capture_output=True, text=True, timeout=240)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """train/loss per step; a step logged twice (before a crash and after resume) keeps the later value."""
+    out = {}
+    for line in (run_dir / "train_log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row["train/loss"]
+    return out
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "model.safetensors"))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(recipe) -> Path:
+    """An uninterrupted single-worker run, in this process (`deepspec train`'s path)."""
+    from deepspec.train import train
+
+    cfg = _cfg(recipe)
+    out = train(cfg)
+    assert out.name == f"step_{STEPS}"
+    return cfg.run_dir
+
+
+# ----------------------------------------------------------------------------- fast unit tests
+
+
+def test_global_batch_is_independent_of_worker_count():
+    from deepspec.train.batches import BatchPlan
+
+    lengths = [random.Random(i).randint(5, 50) for i in range(40)]
+    one = BatchPlan(40, 8, 2, 1, seed=3)
+    two = BatchPlan(40, 8, 2, 2, seed=3)
+    assert (one.accum_steps, two.accum_steps, one.steps_per_epoch) == (4, 2, 5)
+    for step in (0, 4, 5, 11):  # across an epoch boundary too
+        a = one.micro_batches(step, 0, lengths)
+        b = [mb for r in range(2) for mb in two.micro_batches(step, r, lengths)]
+        assert sorted(map(tuple, a)) == sorted(map(tuple, b))
+        assert sorted(i for mb in a for i in mb) == sorted(one.global_indices(step))
+        # length bucketing: micro-batches are cut from the length-sorted global batch
+        flat = [i for mb in sorted(a, key=lambda mb: lengths[mb[0]]) for i in mb]
+        assert [lengths[i] for i in flat] == sorted(lengths[i] for i in flat)
+    assert one.global_indices(5) != one.global_indices(0)  # a new epoch reshuffles
+
+
+def test_global_batch_must_divide():
+    from deepspec.errors import ConfigError
+    from deepspec.train.batches import BatchPlan
+
+    with pytest.raises(ConfigError, match="not divisible by workers x micro batch = 3 x 2 = 6"):
+        BatchPlan(40, 8, 2, 3, seed=0)
+    with pytest.raises(ConfigError, match="fewer than train.global_batch_size"):
+        BatchPlan(4, 8, 2, 1, seed=0)
+
+
+def test_warmup_cosine_schedule():
+    from deepspec.train.optim import warmup_cosine
+
+    f = warmup_cosine(100, 0.04, 0.1)
+    assert [round(f(s), 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(52) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(99) == pytest.approx(0.1, abs=1e-3)
+    vals = [f(s) for s in range(4, 100)]
+    assert all(x >= y for x, y in zip(vals, vals[1:]))
+
+
+def test_muon_takes_matrices_adamw_the_rest():
+    from torch import nn
+
+    from deepspec.config.train import TrainConfig
+    from deepspec.train.optim import MultiOptimizer, build_optimizer, build_scheduler
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.lin = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+            self.register_buffer("target_lm_head", torch.randn(10, 4))
+
+    m = Tiny()
+    opt = build_optimizer(m, TrainConfig(optimizer="muon", lr=1e-2))
+    assert isinstance(opt, MultiOptimizer)
+    muon, adam = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adam, torch.optim.AdamW)
+    muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
+    adam_ids = {id(p) for g in adam.param_groups for p in g["params"]}
+    assert muon_ids == {id(m.lin.weight)}
+    assert adam_ids == {id(m.emb.weight), id(m.lin.bias), id(m.norm.weight), id(m.norm.bias)}
+    sched = build_scheduler(opt, TrainConfig(warmup_ratio=0.5), total_steps=4)
+    before = m.lin.weight.detach().clone()
+    (m.lin(m.emb(torch.tensor([1, 2]))).sum() + m.norm(torch.ones(4)).sum()).backward()
+    opt.step()
+    sched.step()
+    assert not torch.equal(before, m.lin.weight)
+    assert all(g["lr"] == pytest.approx(g["initial_lr"]) for g in opt.param_groups)  # warmup step 2 of 2
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+
+
+def test_pointer_file_fallback(tmp_path):
+    from deepspec.train import checkpoint as ckpt
+
+    step = tmp_path / "step_4"
+    step.mkdir()
+    (step / "config.json").write_text("{}")
+    (tmp_path / "step_latest").write_text("step_4\n")  # what filesystems without symlinks get
+    assert ckpt.resolve_step_dir(tmp_path / "step_latest") == step.resolve()
+    assert ckpt.resolve_step_dir(tmp_path) == step.resolve()
+    ckpt.write_pointer(tmp_path, "step_latest", "step_4")  # replaces the file atomically
+    assert ckpt.resolve_step_dir(tmp_path / "step_latest") == step.resolve()
+
+
+def test_prune_keeps_last_k_and_best(tmp_path):
+    from deepspec.train import checkpoint as ckpt
+
+    for s in (2, 4, 6, 8):
+        (tmp_path / f"step_{s}").mkdir()
+        (tmp_path / f"step_{s}" / ckpt.TRAINER_STATE).write_text("x")
+    (tmp_path / "step_10.tmp").mkdir()  # half-written: never a resume candidate
+    ckpt.record_best(tmp_path, 2, "expected_tau", 3.0)
+    ckpt.prune(tmp_path, keep_last=2)
+    assert ckpt.list_steps(tmp_path) == [2, 6, 8]
+    assert ckpt.latest_step_dir(tmp_path) == tmp_path / "step_8"
+
+
+# ----------------------------------------------------------------------------- real training
+
+
+@pytest.mark.slow
+def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
+    """2 gloo workers x 2 accumulation == 1 worker x 4 accumulation, same global batch, after 6 steps."""
+    from deepspec.train import launch
+
+    ref = _weights(reference / f"step_{STEPS}")
+    ref_losses = _losses(reference)
+    for parallel in ("ddp", "fsdp"):
+        cfg = _cfg(recipe, f"train.parallel={parallel}")
+        out = launch(cfg, 2, env=_env())
+        assert out == cfg.run_dir / f"step_{STEPS}"
+        diff = _max_diff(ref, _weights(out))
+        assert diff < 1e-5, f"{parallel}: parameters differ by {diff}"
+        assert _max_diff(ref, _weights(reference / "step_4")) > 1e-5  # training still moves the weights
+        losses = _losses(cfg.run_dir)
+        assert all(abs(losses[s] - ref_losses[s]) < 1e-5 for s in range(1, STEPS + 1)), (parallel, losses, ref_losses)
+        if parallel == "fsdp":
+            assert (out / "optimizer_dcp").is_dir() and not (out / "optimizer.pt").exists()
+        else:
+            assert (out / "optimizer.pt").is_file()
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_resumes_exactly(recipe, reference):
+    """train.sh with 2 workers, rank 0 SIGKILLed after step 5 (last checkpoint: step 4); rerun the same command."""
+    opts = ("exp=kill",)
+    run_dir = _cfg(recipe, *opts).run_dir
+    crashed = _train_sh(recipe, 2, *opts, DEEPSPEC_TRAIN_KILL_AFTER_STEP="5")
+    assert crashed.returncode != 0, crashed.stderr[-2000:]
+    assert os.path.realpath(run_dir / "step_latest").endswith("step_4")
+    assert not (run_dir / f"step_{STEPS}").exists()
+    rerun = _train_sh(recipe, 2, *opts)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr and "step 4" in rerun.stderr
+    ref, got = _losses(reference), _losses(run_dir)
+    for s in (5, 6):
+        assert got[s] == pytest.approx(ref[s], abs=1e-6), (s, got, ref)
+    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(run_dir / f"step_{STEPS}")) < 1e-5
+    # keep_last=2 plus the best checkpoint; only complete step dirs remain
+    from deepspec.train.checkpoint import list_steps, read_best
+
+    steps = list_steps(run_dir)
+    assert steps[-2:] == [4, 6] and set(steps) <= {read_best(run_dir)["step"], 4, 6}
+    assert not list(run_dir.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_resume_on_another_worker_count_keeps_global_batch(recipe, reference):
+    """Crash a 2-worker run after step 3 (checkpoint at 2), resume it with 1 worker: accumulation doubles."""
+    from deepspec.train import train
+    from deepspec.train.checkpoint import load_trainer_state
+
+    opts = ("exp=rescale",)
+    cfg = _cfg(recipe, *opts)
+    crashed = _train_sh(recipe, 2, *opts, DEEPSPEC_TRAIN_KILL_AFTER_STEP="3")
+    assert crashed.returncode != 0
+    assert load_trainer_state(cfg.run_dir / "step_2")["world_size"] == 2
+    out = train(cfg)  # one worker now, same global batch (8 = 1 x 2 micro x 4 accumulation)
+    state = load_trainer_state(out)
+    assert state["world_size"] == 1 and state["global_batch_size"] == 8 and state["step"] == STEPS
+    ref, got = _losses(reference), _losses(cfg.run_dir)
+    assert all(got[s] == pytest.approx(ref[s], abs=1e-5) for s in range(3, STEPS + 1)), (got, ref)
+
+    from deepspec.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="global_batch_size"):
+        bad = _cfg(recipe, *opts)
+        bad.train.global_batch_size = 4
+        bad.train.max_steps = STEPS + 2
+        train(bad)
+
+
+def _wandb_history(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Read the offline wandb run files back (their leveldb-style record log of protobuf Records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    series: dict[str, dict[int, float]] = {}
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert files, f"no offline wandb run under {run_dir}/wandb"
+    for f in files:
+        data = f.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, buf, block = 7, b"", 32768
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:
+                pos += block - pos % block
+                continue
+            _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):
+                raw, buf = buf + chunk, b""
+                rec = pb.Record()
+                rec.ParseFromString(raw)
+                if rec.WhichOneof("record_type") == "history":
+                    row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json) for it in rec.history.item}
+                    for k, v in row.items():
+                        if isinstance(v, (int, float)):
+                            series.setdefault(k, {})[int(row["_step"])] = float(v)
+            elif kind in (2, 3):
+                buf += chunk
+    return series
+
+
+@pytest.mark.slow
+def test_wandb_and_tensorboard_series(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ref_losses = _losses(reference)
+    wb = _wandb_history(reference)
+    assert sorted(wb["train/loss"]) == list(range(1, STEPS + 1))
+    assert all(wb["train/loss"][s] == pytest.approx(ref_losses[s]) for s in ref_losses)
+    assert sorted(wb["val/expected_tau"]) == [3, 6] and all(1.0 <= v <= 8.0 for v in wb["val/expected_tau"].values())
+    assert "val/greedy_tau" in wb and "val/acc_cond@1" in wb
+
+    ev = EventAccumulator(str(reference / "tensorboard"))
+    ev.Reload()
+    tags = set(ev.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "val/expected_tau", "val/greedy_tau"} <= tags
+    assert [e.step for e in ev.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert [e.value for e in ev.Scalars("train/loss")] == pytest.approx([ref_losses[s] for s in range(1, STEPS + 1)], rel=1e-6)
+    tb_tau = {e.step: e.value for e in ev.Scalars("val/expected_tau")}
+    assert tb_tau == pytest.approx(wb["val/expected_tau"], rel=1e-6)
+    # the best checkpoint by expected tau is recorded and points at a saved step
+    best = json.loads((reference / "best.json").read_text())
+    assert best["metric"] == "expected_tau" and best["value"] == pytest.approx(max(wb["val/expected_tau"].values()))
+    assert (reference / "step_best" / "model.safetensors").is_file()
