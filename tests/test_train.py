@@ -354,3 +354,21 @@ def test_wandb_and_tensorboard_series(reference):
     best = json.loads((reference / "best.json").read_text())
     assert best["metric"] == "expected_tau" and best["value"] == pytest.approx(max(wb["val/expected_tau"].values()))
     assert (reference / "step_best" / "model.safetensors").is_file()
+
+
+def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
+    """config/<algorithm>/<target>.yaml for each algorithm x {smollm2, qwen3-4b, qwen3-8b, qwen3-14b}."""
+    from deepspec.config import load_config
+    from deepspec.train.batches import BatchPlan
+
+    for algorithm in ("eagle3", "dflash", "dspark"):
+        for target in ("smollm2", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
+            cfg = load_config(REPO / "config" / algorithm / f"{target}.yaml")
+            assert cfg.model.algorithm == algorithm
+            if target.startswith("qwen3"):
+                t = cfg.train
+                assert (t.lr, t.warmup_ratio, t.global_batch_size, t.epochs, cfg.model.block_size) == (6e-4, 0.04, 512, 10, 7)
+                assert len(cfg.model.target_layer_ids) == 5
+                assert BatchPlan(10**6, t.global_batch_size, t.micro_batch_size, 8, 0).accum_steps == 64
+                if t.optimizer == "muon":
+                    assert t.parallel == "ddp"
