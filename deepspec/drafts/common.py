@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from deepspec.drafts.base import DraftModel
 from deepspec.drafts.layers import DraftArch, arch_from_target, softcap
-from deepspec.errors import CheckpointError
+from deepspec.errors import CheckpointError, ConfigError
 
 
 class TargetBackedDraft(DraftModel):
@@ -38,6 +38,11 @@ class TargetBackedDraft(DraftModel):
         cfg = getattr(target_config, "text_config", None) or target_config
         taps = list(model_cfg.target_layer_ids) or default_taps(cfg.num_hidden_layers, cls.default_num_taps)
         validate_taps(taps, cfg.num_hidden_layers)
+        if taps != sorted(taps):
+            raise ConfigError(
+                f"model.target_layer_ids {taps} must be in increasing layer order: engines concatenate the tapped states by layer "
+                f"index, so give {sorted(taps)}."
+            )
         arch = arch_from_target(target_config, model_cfg, qk_norm=cls.default_qk_norm)
         return cls(arch, model_cfg, taps)
 
