@@ -72,7 +72,7 @@ def main() -> int:
             d = cfg.cache_train_dir
             d.mkdir(parents=True)
             t0 = time.perf_counter()
-            write_shards(d, plan, 0, 1, model=target.model)
+            write_shards(d, plan, 0, 1, cfg, model=target.model)
             dt = time.perf_counter() - t0
             manifest = finalize(d, plan, {})
             tokens = manifest["counts"]["tokens"]

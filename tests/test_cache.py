@@ -376,3 +376,21 @@ def test_online_features_equal_cache(bf16_cache, tiny_llama_dir):
     torch.testing.assert_close(on.taps[m], off.taps[m], rtol=2 ** -7, atol=1e-4)  # cache = bf16 rounding
     torch.testing.assert_close(on.final_hidden[m], off.final_hidden[m], rtol=2 ** -7, atol=1e-4)
     assert not torch.equal(on.taps[m], off.taps[m])  # online really is the unrounded fp32
+
+
+def test_input_changed_mid_build_is_refused(data_root, tiny_llama_dir, tmp_path):
+    """Plans keep only offsets and lengths; a file edited under a running build must not be mixed in."""
+    from deepspec.data.cache.writer import _load_plan_inputs, make_plan, materialize
+    from deepspec.errors import DataError
+
+    shutil.copytree(data_root / "data", tmp_path / "data")
+    cfg = make_cfg(tmp_path, tiny_llama_dir)
+    tok, tconf = _load_plan_inputs(cfg)
+    plan = make_plan(cfg, "train", tok, tconf)
+    assert all(s.input_ids is None for s in plan.samples)  # nothing heavy held by the plan
+    first = materialize(plan, plan.samples[:2], tok)
+    assert [len(s.input_ids) for s in first] == [s.length for s in plan.samples[:2]]
+    path = tmp_path / "data" / "regenerated.jsonl"
+    path.write_text(path.read_text().replace("conv-0", "conv-X", 1))
+    with pytest.raises(DataError, match="changed while the cache was being built"):
+        materialize(plan, plan.samples[:1], tok)

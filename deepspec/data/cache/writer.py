@@ -35,10 +35,19 @@ log = get_logger(__name__)
 
 @dataclass
 class Sample:
+    """One conversation to capture. The plan keeps only where it is and how long it is (so a plan of
+    millions of samples stays small and cheap to hand to workers); tokens are re-rendered per shard."""
+
     id: str
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # uint8 [T]
+    input_ids: np.ndarray | None  # int32 [T] (None until materialized)
+    loss_mask: np.ndarray | None  # uint8 [T]
     truncated: bool
+    length: int = 0
+    offset: int = -1  # byte offset of its line in the input JSONL
+
+    def __post_init__(self) -> None:
+        if self.input_ids is not None:
+            self.length = len(self.input_ids)
 
 
 @dataclass
@@ -57,7 +66,7 @@ class Plan:
 
     def shard_bytes(self, s: int) -> int:
         a, b = self.shards[s]
-        return sum(fmt.record_nbytes(len(x.input_ids), self.n_layers, self.hidden_size, self.dtype) for x in self.samples[a:b])
+        return sum(fmt.record_nbytes(x.length, self.n_layers, self.hidden_size, self.dtype) for x in self.samples[a:b])
 
     @property
     def total_bytes(self) -> int:
@@ -80,18 +89,31 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _parse_line(path: Path, lineno: int, line: bytes | str):
+    try:
+        rec = json.loads(line)
+        messages = rec["conversations"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{path}:{lineno} is not a conversation record ({e}); expected {{\"id\", \"conversations\"}}.") from None
+    return str(rec.get("id", lineno - 1)), messages
+
+
+def iter_records(path: Path):
+    """Yield (byte offset, id, messages) from regenerated.jsonl; a malformed line is a DataError naming it."""
+    with open(path, "rb") as f:
+        lineno, offset = 0, 0
+        for line in f:
+            lineno += 1
+            if line.strip():
+                sid, messages = _parse_line(path, lineno, line)
+                yield offset, sid, messages
+            offset += len(line)
+
+
 def read_conversations(path: Path):
-    """Yield (id, messages) from regenerated.jsonl; a malformed line is a DataError naming it."""
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                messages = rec["conversations"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{lineno} is not a conversation record ({e}); expected {{\"id\", \"conversations\"}}.") from None
-            yield str(rec.get("id", lineno - 1)), messages
+    """Yield (id, messages) from regenerated.jsonl."""
+    for _, sid, messages in iter_records(path):
+        yield sid, messages
 
 
 def resolve_taps(cfg, num_layers: int) -> list[int]:
@@ -125,7 +147,7 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
     n_layers = len(taps) + 1
     samples: list[Sample] = []
     counts = dict(input=0, dropped_short=0, truncated=0, samples=0, tokens=0, loss_tokens=0)
-    for sid, messages in progress(read_conversations(Path(src)), desc=f"tokenize {split}", unit="conv"):
+    for offset, sid, messages in progress(iter_records(Path(src)), desc=f"tokenize {split}", unit="conv"):
         counts["input"] += 1
         r = render_conversation(tokenizer, messages, cfg.target.chat_template_kwargs, cc.max_length)
         n_loss = sum(r.loss_mask)
@@ -133,7 +155,7 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
             counts["dropped_short"] += 1
             continue
         counts["truncated"] += int(r.truncated)
-        samples.append(Sample(sid, np.asarray(r.input_ids, np.int32), np.asarray(r.loss_mask, np.uint8), r.truncated))
+        samples.append(Sample(sid, None, None, r.truncated, length=len(r.input_ids), offset=offset))
         counts["samples"] += 1
         counts["tokens"] += len(r.input_ids)
         counts["loss_tokens"] += n_loss
@@ -145,7 +167,7 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
     shards: list[tuple[int, int]] = []
     start, size = 0, 0
     for i, s in enumerate(samples):
-        nb = fmt.record_nbytes(len(s.input_ids), n_layers, hidden, cc.dtype)
+        nb = fmt.record_nbytes(s.length, n_layers, hidden, cc.dtype)
         if i > start and size + nb > cc.shard_bytes:
             shards.append((start, i))
             start, size = i, 0
@@ -170,7 +192,23 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         "data_hash": file_hash(Path(src)),
     }
     vocab = int(getattr(target_config, "vocab_size", 0) or 0)
-    return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta={"data_path": str(src)})
+    meta = {"data_path": str(src), "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}), "max_length": cc.max_length}
+    return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta=meta)
+
+
+def materialize(plan: Plan, samples: list[Sample], tokenizer) -> list[Sample]:
+    """Re-render the token ids and loss masks of planned samples from the input file."""
+    path = Path(plan.meta["data_path"])
+    out = []
+    with open(path, "rb") as f:
+        for s in samples:
+            f.seek(s.offset)
+            sid, messages = _parse_line(path, -1, f.readline())
+            r = render_conversation(tokenizer, messages, plan.meta["chat_template_kwargs"], plan.meta["max_length"])
+            if sid != s.id or len(r.input_ids) != s.length:
+                raise DataError(f"{path} changed while the cache was being built (sample {s.id!r}); rerun with --overwrite.")
+            out.append(Sample(sid, np.asarray(r.input_ids, np.int32), np.asarray(r.loss_mask, np.uint8), r.truncated, offset=s.offset))
+    return out
 
 
 def estimate(plan: Plan) -> dict[str, Any]:
@@ -230,9 +268,9 @@ def sample_features(model, batch: list[Sample], taps: list[int]):
         yield s, feats[b, : len(s.input_ids)]
 
 
-def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar) -> None:
+def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer) -> None:
     a, b = plan.shards[s]
-    samples = plan.samples[a:b]
+    samples = materialize(plan, plan.samples[a:b], tokenizer)
     bin_path = directory / fmt.shard_name(s)
     tmp = bin_path.with_name(bin_path.name + ".tmp")
     rows = np.zeros(len(samples), dtype=fmt.INDEX_DTYPE)
@@ -266,7 +304,7 @@ def shard_done(directory: Path, plan: Plan, s: int) -> bool:
     return idx.is_file() and bin_path.is_file() and bin_path.stat().st_size == plan.shard_bytes(s)
 
 
-def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str | None = None, cfg=None, model=None) -> int:
+def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, device: str | None = None, model=None) -> int:
     """Capture every unfinished shard s with s % world == rank; returns how many were written.
 
     `model`: an already loaded target (HF causal LM); otherwise the target of `cfg` is loaded."""
@@ -277,12 +315,13 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, device: str
     if not todo:
         return 0
     featurize, close = _featurizer(plan, cfg, device, model)
-    total_tokens = sum(len(x.input_ids) for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
+    tokenizer, _ = _load_plan_inputs(cfg)
+    total_tokens = sum(x.length for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
     bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
     bar.bytes_written = 0
     try:
         for s in todo:
-            _write_shard(directory, plan, s, featurize, bar)
+            _write_shard(directory, plan, s, featurize, bar, tokenizer)
     finally:
         bar.close()
         close()
