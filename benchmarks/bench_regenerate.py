@@ -87,8 +87,13 @@ def main() -> int:
         messages = [r["conversations"] for r in jobs]
         engine = create_engine(cfg, args.engine, [args.url] if args.url else [])
         try:
+            # Warm-up over every prompt: first-call allocations, and vLLM's prefix cache is then
+            # equally hot for the raw and our runs.
             if args.engine == "vllm":
-                raw_vllm(engine, messages[:4], 8)  # warm-up (first-call allocations)
+                raw_vllm(engine, messages, 4)
+            else:
+                asyncio.run(_raw_openai(engine.urls[0], engine.model, messages, 4, args.concurrency,
+                                        cfg.target.chat_template_kwargs))
             best_raw, best_ours = (0, float("inf")), (0, float("inf"))
             for _ in range(args.repeats):
                 if args.engine == "vllm":
