@@ -56,6 +56,13 @@ def _forward(model, ids: torch.Tensor, cache, hidden: bool):
     return out, cache
 
 
+def _crop(cache, keep: int) -> None:
+    """Drop cached positions >= keep (rejected drafts); negative crop = remove that many (transformers >= 5.18)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
 @torch.inference_mode()
 def generate_target_only(
     model,
@@ -144,7 +151,7 @@ def generate_speculative(
         tokens.extend(new)
         committed.extend(new)
         # keep the target cache for committed positions that it has processed (all but the newest token)
-        cache.crop(len(committed) - 1)
+        _crop(cache, len(committed) - 1)
         # tap features for the newly committed, target-processed positions: the input token + accepted drafts
         new_taps = select_taps(out.hidden_states, taps)[0, : len(committed) - 1 - seen]
     _sync(device)

@@ -1,0 +1,176 @@
+"""Engine-backed eval: the exported draft inside vLLM, on the same prompts, beside our own numbers.
+
+We export the checkpoint, start vLLM with `--speculative-config`, send each benchmark's prompts
+(same chat template kwargs, same temperature and max tokens; MT-Bench's second turn after the
+engine's own first answer) and read vLLM's Prometheus spec-decode counters before and after each
+benchmark. Engine τ = 1 + Δaccepted / Δdrafts; engine per-position rate i = Δaccepted_at_pos_i / Δdrafts,
+which is prefix survival s_{i+1} (accepted drafts always form a prefix). Ours is compared at the same
+number of speculative tokens S: τ@S = 1 + E[A]@S and survival@1..S.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from deepspec.errors import ConfigError, EngineError
+from deepspec.log import get_logger, progress
+
+log = get_logger(__name__)
+
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+
+
+def export_for_vllm(cfg, checkpoint_dir: Path) -> Path:
+    """Export the draft with the export stage (`deepspec export CKPT --format vllm`); reuse a finished export."""
+    out = Path(cfg.export.dir) if cfg.export.dir else checkpoint_dir / "export-vllm"
+    if (out / "config.json").is_file():
+        log.info("using the existing vLLM export in %s", out)
+        return out
+    try:  # in-process when the export module exposes a function
+        from deepspec import export as ex
+
+        fn = getattr(ex, "export_checkpoint", None)
+    except ImportError:
+        fn = None
+    if fn is not None:
+        result = fn(checkpoint_dir, out, format="vllm")
+        return Path(result) if result else out
+    cmd = [sys.executable, "-m", "deepspec.cli", "export", str(checkpoint_dir), "--format", "vllm", "--opts", f"export.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (out / "config.json").is_file():
+        raise EngineError(f"Exporting {checkpoint_dir} for vLLM failed ({(proc.stderr or proc.stdout).strip()[-400:]}); "
+                          f"run `deepspec export {checkpoint_dir} --format vllm` yourself and set export.dir to its folder.")
+    return out
+
+
+def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, Any]:
+    """Engine counters delta vs our metrics for one benchmark, at S speculative tokens."""
+    ea = ours.get("expected_accepted") or []
+    ours_tau_s = 1 + ea[s - 1] if len(ea) >= s and ea[s - 1] is not None else None
+    e_tau = engine.get("mean_acceptance_length")
+    diff = (e_tau - ours_tau_s) / ours_tau_s if e_tau is not None and ours_tau_s else None
+    return {
+        "engine_tau": e_tau,
+        "ours_tau": ours.get("tau"),
+        "ours_tau_at_S": ours_tau_s,
+        "relative_diff": diff,
+        "engine_survival": list(engine.get("acceptance_rate_per_pos") or [])[:s],
+        "ours_survival": list(ours.get("survival") or [])[:s],
+        "engine_drafts": engine.get("drafts"),
+        "engine_draft_tokens": engine.get("draft_tokens"),
+        "engine_accepted_tokens": engine.get("accepted_tokens"),
+        "engine_accepted_per_pos": engine.get("accepted_per_pos"),
+    }
+
+
+class _Client:
+    """OpenAI-compatible chat client with per-request token budgets that fit max_model_len."""
+
+    def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int):
+        import httpx
+
+        self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
+        self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
+        self.skipped = 0
+
+    def chat(self, messages: list[dict], seed: int) -> str | None:
+        from deepspec.eval.runner import render_prompt
+
+        kwargs = dict(self.cfg.target.chat_template_kwargs or {})
+        n_prompt = len(render_prompt(self.tok, messages, kwargs))
+        budget = min(self.cfg.eval.max_new_tokens, self.max_model_len - n_prompt - 1)
+        if budget < 1:
+            self.skipped += 1
+            return None
+        body = {
+            "model": self.model, "messages": messages, "max_tokens": budget, "temperature": self.cfg.eval.temperature,
+            "seed": seed, "chat_template_kwargs": kwargs,
+        }
+        r = self.http.post("/chat/completions", json=body)
+        if r.status_code != 200:
+            raise EngineError(f"vLLM answered {r.status_code} to a chat request: {r.text[:300]}")
+        return r.json()["choices"][0]["message"]["content"] or ""
+
+    def conversation(self, turns: list[str], seed: int) -> None:
+        messages: list[dict] = []
+        for t, turn in enumerate(turns):
+            messages.append({"role": "user", "content": turn})
+            answer = self.chat(messages, seed + t)
+            if answer is None:
+                return
+            messages.append({"role": "assistant", "content": answer})
+
+
+def _metrics_from_url(base_url: str) -> dict[str, Any]:
+    import httpx
+
+    from deepspec.serving import parse_prometheus, spec_decode_counters
+
+    r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30)
+    return spec_decode_counters(parse_prometheus(r.text))
+
+
+def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: str, items: list, results: dict[str, Any],
+                out_dir: Path) -> dict[str, Any]:
+    """Run the benchmark prompts through vLLM with the exported draft; return engine vs ours per benchmark."""
+    from deepspec.serving import VLLMServer, counters_delta
+    from deepspec.targets import load_tokenizer, resolve_target_path
+
+    algo = meta.get("algorithm")
+    s = cfg.eval.engine_num_speculative_tokens or cfg.eval.num_draft_tokens
+    if cfg.eval.temperature != 0:
+        log.warning("engine-backed eval at T=%g: engine and ours are both samples, expect statistical differences", cfg.eval.temperature)
+    if s > cfg.eval.num_draft_tokens:
+        raise ConfigError(
+            f"eval.engine_num_speculative_tokens={s} exceeds eval.num_draft_tokens={cfg.eval.num_draft_tokens}: our numbers "
+            "cannot be restricted to more tokens than we drafted; lower it or raise eval.num_draft_tokens."
+        )
+    tokenizer = load_tokenizer(target_name, cfg.target.revision, cfg.target.trust_remote_code)
+    by_task: dict[str, list] = {}
+    for it in items:
+        by_task.setdefault(it.task, []).append(it)
+
+    def run_all(url: str, model: str, counters) -> dict[str, Any]:
+        client = _Client(url, model, tokenizer, cfg, cfg.eval.engine_max_model_len)
+        per_task: dict[str, Any] = {}
+        total_before = counters()
+        for task, task_items in by_task.items():
+            before = counters()
+            with ThreadPoolExecutor(max_workers=max(1, cfg.eval.engine_max_concurrency)) as pool:
+                futures = [pool.submit(client.conversation, it.row["turns"], cfg.eval.seed + it.index * 16) for it in task_items]
+                for f in progress(futures, desc=f"vLLM {task}", unit="sample"):
+                    f.result()
+            delta = counters_delta(before, counters())
+            per_task[task] = compare(results["tasks"].get(task, {}), delta, s)
+            log.info("vLLM %s: engine tau %s vs ours tau@%d %s", task, _fmt(per_task[task]["engine_tau"]), s,
+                     _fmt(per_task[task]["ours_tau_at_S"]))
+        overall = compare(results["overall"], counters_delta(total_before, counters()), s)
+        return {"tasks": per_task, "overall": overall, "skipped_requests_too_long": client.skipped}
+
+    if cfg.eval.engine_url:
+        base = cfg.eval.engine_url.rstrip("/").removesuffix("/v1")
+        log.warning("using the running server %s: its counters include any other client's requests", base)
+        models = __import__("httpx").get(base + "/v1/models", timeout=30).json()["data"]
+        out = run_all(base + "/v1", models[0]["id"], lambda: _metrics_from_url(base))
+        out.update(engine="vllm", server=base, num_speculative_tokens=s)
+        return out
+    if algo not in VLLM_METHODS:
+        raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts (DSpark needs vLLM's GPU model runner); "
+                          "use eval.engine=none or eval.engine_url with a GPU server.")
+    export_dir = export_for_vllm(cfg, Path(checkpoint_dir))
+    spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
+    with VLLMServer(resolve_target_path(target_name), speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args),
+                    max_model_len=cfg.eval.engine_max_model_len, log_path=out_dir / "vllm_server.log") as server:
+        out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
+    out.update(engine="vllm", speculative_config=spec, num_speculative_tokens=s)
+    (out_dir / "engine_results.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out
+
+
+def _fmt(x) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "n/a"
