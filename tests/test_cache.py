@@ -293,6 +293,9 @@ def test_manifest_mismatch_names_the_fields(bf16_cache):
     other = config_from_dict({"target": {"name": cfg.target.name}, "cache": {"dtype": "fp8"}})
     with pytest.raises(CacheError, match="dtype"):
         open_cache(d, other)
+    other = config_from_dict({"target": {"name": cfg.target.name, "chat_template_kwargs": {"enable_thinking": True}}})
+    with pytest.raises(CacheError, match="chat_template_kwargs"):
+        open_cache(d, other)
 
 
 # ---------------------------------------------------------------------------------- dtypes

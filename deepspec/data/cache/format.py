@@ -207,6 +207,7 @@ CHECKED_FIELDS = {
     "template_hash": "the target's chat template",
     "dtype": "cache.dtype",
     "target_revision": "target.revision",
+    "chat_template_kwargs": "target.chat_template_kwargs (e.g. thinking mode)",
 }
 
 

@@ -145,7 +145,8 @@ def expected_provenance(cfg, target=None) -> dict[str, Any]:
     from deepspec.data.cache.writer import _load_plan_inputs, resolve_taps
     from deepspec.targets import template_hash
 
-    exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision}
+    exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision,
+                           "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {})}
     if target is not None:
         tconf, thash = target.config, target.template_hash
     else:
