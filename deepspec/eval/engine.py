@@ -11,8 +11,6 @@ number of speculative tokens S: τ@S = 1 + E[A]@S and survival@1..S.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,27 +23,18 @@ log = get_logger(__name__)
 VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
 
 
-def export_for_vllm(cfg, checkpoint_dir: Path) -> Path:
-    """Export the draft with the export stage (`deepspec export CKPT --format vllm`); reuse a finished export."""
-    out = Path(cfg.export.dir) if cfg.export.dir else checkpoint_dir / "export-vllm"
-    if (out / "config.json").is_file():
-        log.info("using the existing vLLM export in %s", out)
-        return out
-    try:  # in-process when the export module exposes a function
-        from deepspec import export as ex
+def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) -> Path:
+    """Export the draft with the export stage's writer (the same code as `deepspec export CKPT --format vllm`).
 
-        fn = getattr(ex, "export_checkpoint", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        result = fn(checkpoint_dir, out, format="vllm")
-        return Path(result) if result else out
-    cmd = [sys.executable, "-m", "deepspec.cli", "export", str(checkpoint_dir), "--format", "vllm", "--opts", f"export.dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not (out / "config.json").is_file():
-        raise EngineError(f"Exporting {checkpoint_dir} for vLLM failed ({(proc.stderr or proc.stdout).strip()[-400:]}); "
-                          f"run `deepspec export {checkpoint_dir} --format vllm` yourself and set export.dir to its folder.")
-    return out
+    `export.dir` set = use that folder as is when it already holds an export (e.g. made by hand).
+    """
+    from deepspec.export.writers import export_draft
+
+    if cfg.export.dir and (Path(cfg.export.dir) / "config.json").is_file():
+        log.info("using the existing vLLM export in %s", cfg.export.dir)
+        return Path(cfg.export.dir)
+    out = Path(cfg.export.dir) if cfg.export.dir else out_dir / "export-vllm"
+    return export_draft(checkpoint_dir, out, "vllm", target=target_path)
 
 
 def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, Any]:
@@ -162,9 +151,10 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     if algo not in VLLM_METHODS:
         raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts (DSpark needs vLLM's GPU model runner); "
                           "use eval.engine=none or eval.engine_url with a GPU server.")
-    export_dir = export_for_vllm(cfg, Path(checkpoint_dir))
+    target_path = resolve_target_path(target_name)
+    export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
-    with VLLMServer(resolve_target_path(target_name), speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args),
+    with VLLMServer(target_path, speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args),
                     max_model_len=cfg.eval.engine_max_model_len, log_path=out_dir / "vllm_server.log") as server:
         out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
     out.update(engine="vllm", speculative_config=spec, num_speculative_tokens=s)
