@@ -1,7 +1,7 @@
 """Training throughput per algorithm on the embedded SmolLM2 target (cached features, CPU).
 
     python benchmarks/bench_train.py                      # every registered algorithm
-    python benchmarks/bench_train.py --algorithms eagle3 --steps 6 --samples 32
+    python benchmarks/bench_train.py --algorithms eagle3 --steps 6 --samples 32 --global-batch 8
 
 Builds a small offline cache per algorithm (its taps) from synthetic conversations through the real
 cache stage, then trains `--steps` optimizer steps in a fresh subprocess (so peak RSS is per
@@ -48,7 +48,7 @@ def _conversations(n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         q = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 20)))
-        a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(60, 160)))
+        a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 60)))
         out.append({"id": f"s{seed}-{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
     return out
 
@@ -94,10 +94,10 @@ def _child(recipe: str, opts: list[str]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", nargs="*", default=None, help="default: every algorithm whose module exists")
-    p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--workdir", default=None)
     p.add_argument("--_child", nargs=2, metavar=("RECIPE", "OPTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -372,3 +372,17 @@ def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
                 assert BatchPlan(10**6, t.global_batch_size, t.micro_batch_size, 8, 0).accum_steps == 64
                 if t.optimizer == "muon":
                     assert t.parallel == "ddp"
+
+
+def test_online_mode_trains_from_the_colocated_target(recipe):
+    """cache.mode=online: same loop, features computed by the target per micro-batch (no cache on disk)."""
+    from deepspec.train import train
+    from deepspec.train.checkpoint import load_trainer_state
+
+    cfg = _cfg(recipe, "cache.mode=online", "train.max_steps=2", "logging.wandb=false", f"cache.dir={recipe.parent / 'nothing'}")
+    out = train(cfg)
+    assert out.name == "step_2" and load_trainer_state(out)["step"] == 2
+    losses = _losses(cfg.run_dir)
+    assert set(losses) == {1, 2} and all(10 < v < 40 for v in losses.values())
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["deepspec"]["provenance"]["taps"] == [0, 2, 4]

@@ -54,12 +54,18 @@ def build_parts(cfg, info):
     from deepspec.targets.load import resolve_target_path
     from deepspec.train.loop import TrainParts
 
-    train_data, val_data = open_cache_datasets(cfg)
     path = resolve_target_path(cfg.target.name)
-    target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    if cfg.cache.mode == "online":
+        train_data, val_data, target = open_online_datasets(cfg, info)
+        target_config = target.config
+        embed, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
+    else:
+        train_data, val_data = open_cache_datasets(cfg)
+        target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+        target_config = getattr(target_config, "text_config", None) or target_config
+        embed, head = load_target_head(path, target_config)
     cls = get_algorithm(cfg.model.algorithm)
     model = cls.from_target_config(target_config, cfg.model)
-    embed, head = load_target_head(path, target_config)
     model.load_target_weights(embed, head)
     counts = getattr(train_data, "token_counts", None)
     if counts is not None:
@@ -84,6 +90,47 @@ def open_cache_datasets(cfg):
     else:
         log.warning("no held-out cache at %s: training without validation", cfg.cache_heldout_dir)
     return train, val
+
+
+class OnlineData:
+    """Online mode: tokenized conversations whose features the co-located target computes per micro-batch."""
+
+    def __init__(self, dataset, features, vocab_size: int):
+        self.dataset, self.collate, self.vocab_size = dataset, features, vocab_size
+        self.lengths = dataset.lengths
+        self.manifest: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def token_counts(self) -> torch.Tensor:
+        import numpy as np
+
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for s in self.dataset.samples:
+            ids = s.input_ids[s.loss_mask.astype(bool)]
+            counts += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
+        return torch.from_numpy(counts)
+
+
+def open_online_datasets(cfg, info):
+    """cache.mode=online: the target runs on this worker's device and computes features on the fly."""
+    from deepspec.data.cache import OnlineDataset, OnlineFeatures
+    from deepspec.targets.load import load_target_from_config
+
+    target = load_target_from_config(cfg.target, device=str(info.device))
+    features = OnlineFeatures.from_config(cfg, target)
+    features.pad_token_id = target.tokenizer.pad_token_id or 0
+    vocab = target.config.vocab_size
+    train = OnlineData(OnlineDataset.from_config(cfg, target.tokenizer, "train"), features, vocab)
+    train.manifest = {"target": cfg.target.name, "taps": features.taps, "template_hash": target.template_hash}
+    val = None
+    if Path(cfg.regenerated_heldout_path).is_file():
+        val = OnlineData(OnlineDataset.from_config(cfg, target.tokenizer, "heldout"), features, vocab)
+    return train, val, target
 
 
 def default_write_draft(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor], provenance: dict[str, Any]) -> None:

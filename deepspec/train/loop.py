@@ -4,8 +4,9 @@ Gradient accumulation is exact across worker counts: each micro-batch contribute
 loss x (its supervised tokens), and once the step's micro-batches are done the gradients are
 scaled by world / (supervised tokens of the whole global batch) — so the update is the token-
 weighted mean over the global batch whether it ran on 1 worker x 4 micro-batches or 2 x 2.
-Randomness inside a draft (e.g. anchor sampling) is reseeded per (seed, step, rank, micro-batch),
-so a resumed run replays exactly what the uninterrupted run would have done.
+Randomness inside a draft (e.g. anchor sampling) is reseeded per (seed, step, micro-batch position
+in the global batch), so a resumed run — on any worker count — replays exactly what the
+uninterrupted run would have done.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def _autocast(cfg, device: torch.device):
     return contextlib.nullcontext
 
 
-def _step_seed(seed: int, step: int, rank: int, micro: int) -> int:
-    return (seed * 1_000_003 + step * 10_007 + rank * 101 + micro) % (2**63 - 1)
+def _step_seed(seed: int, step: int, chunk: int) -> int:
+    """Seed of one micro-batch: its position in the global batch, not (rank, accumulation index), so
+    random choices inside a draft (anchors) are the same on any worker count."""
+    return (seed * 1_000_003 + step * 10_007 + chunk) % (2**63 - 1)
 
 
 def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
@@ -116,7 +119,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     model.train()
     wrapped = wrap(model, tcfg.parallel, info.world, info.device)
     if tcfg.compile:
-        wrapped = torch.compile(wrapped)
+        wrapped.compile()  # in place: parameter names (checkpoints, optimizer state) stay unprefixed
     sharded = tcfg.parallel == "fsdp"
     optimizer = build_optimizer(wrapped, tcfg)
     scheduler = build_scheduler(optimizer, tcfg, total_steps)
@@ -170,7 +173,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             for m, indices in enumerate(micro_batches):
                 batch = collate([parts.train_data[i] for i in indices]).to(info.device, torch.float32)
                 n_tok = batch.num_loss_tokens
-                torch.manual_seed(_step_seed(tcfg.seed, step, info.rank, m))
+                torch.manual_seed(_step_seed(tcfg.seed, step, m * info.world + info.rank))
                 sync = m == len(micro_batches) - 1
                 ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
                 if sharded and hasattr(wrapped, "set_requires_gradient_sync"):
