@@ -64,8 +64,17 @@ def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | N
         path = Path(resolve_target_path(target))
         if not (path / "config.json").is_file():
             raise CheckpointError(f"--target {target} is not a local model folder with config.json; export needs the target's config to check it.")
-    elif prov.get("target_path") and (Path(prov["target_path"]) / "config.json").is_file():
-        path = Path(prov["target_path"])
+    else:
+        for cand in (prov.get("target_path"), prov.get("target")):
+            if not cand:
+                continue
+            try:
+                p = Path(resolve_target_path(str(cand)))
+            except Exception:  # noqa: BLE001 - an unresolvable recorded name just means "cannot check"
+                continue
+            if (p / "config.json").is_file():
+                path = p
+                break
     if path is None:
         return None
     cfg = json.loads((path / "config.json").read_text())
