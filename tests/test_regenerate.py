@@ -235,3 +235,30 @@ def test_openai_engine_without_servers_fails_fast(tmp_path, tiny_llama_dir):
     cfg = setup_data(tmp_path, tiny_llama_dir, CONVS[2:])
     with pytest.raises(EngineError, match="No OpenAI-compatible server"):
         OpenAIEngine([f"127.0.0.1:{free_port()}"], cfg.data.regenerate.sampling, {}, probe_timeout_s=1.0)
+
+
+def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir):
+    from deepspec.data.engines import create_engine
+
+    convs = [{"id": f"q{i}", "conversations": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
+    cfg = setup_data(tmp_path, tiny_llama_dir, convs, "data.regenerate.engine=hf", "data.regenerate.batch_size=2")
+    engine = create_engine(cfg, "hf", [])
+    real, calls = engine.chat_batch, []
+
+    def crash_on_second_batch(requests):  # the engine dies on one batch (e.g. out of memory)
+        calls.append(len(requests))
+        if len(calls) == 2:
+            raise RuntimeError("simulated engine crash")
+        return real(requests)
+
+    engine.chat_batch = crash_on_second_batch
+    summary = regenerate(cfg, engine_obj=engine)
+    assert (summary["done"], summary["failed"]) == (4, 2)
+    errors = read_jsonl(errors_path(cfg.regenerated_path))
+    assert {e["id"] for e in errors} == {"q2", "q3"} and all("simulated engine crash" in e["error"] for e in errors)
+    assert not is_complete(cfg)
+    engine.chat_batch = real
+    again = regenerate(cfg, engine_obj=engine)
+    assert (again["done"], again["skipped"], again["failed"]) == (2, 4, 0)
+    assert sorted(r["id"] for r in read_jsonl(cfg.regenerated_path)) == [c["id"] for c in convs]
+    assert is_complete(cfg)

@@ -173,7 +173,11 @@ class BatchEngine(Engine):
                     requests.append((messages, max_tokens, request_seed(self.seed, s.job.id, s.turn)))
                     served.append(s)
                 if requests:
-                    for s, out in zip(served, self.chat_batch(requests)):
+                    try:
+                        outs = self.chat_batch(requests)
+                    except Exception as e:  # noqa: BLE001 - record the batch as failed, keep going; a rerun retries it
+                        outs = [TurnOutput(error=f"engine error: {type(e).__name__}: {e}")] * len(requests)
+                    for s, out in zip(served, outs):
                         s.add(out)
             for s in states:
                 on_result(s.result())
