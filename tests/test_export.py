@@ -122,9 +122,12 @@ def _small_target(tmp_path):
 
 def test_export_cli(tmp_path, tiny_llama_dir, capsys):
     from deepspec.cli import main
+    from deepspec.config import load_config
 
-    _, ckpt = _ckpt(tmp_path, "llama", "dflash")
+    draft, _ = _ckpt(tmp_path, "llama", "dflash")
+    ckpt = save_draft(draft, tmp_path / "ckpt", {}, config=load_config(None, ["model.algorithm=dflash"]))
     assert main(["export", str(ckpt), "--format", "vllm", "--target", str(tiny_llama_dir)]) == 0
     out = tmp_path / "ckpt-vllm"
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert "algorithm: dflash" in (out / "deepspec_config.yaml").read_text()
     assert main(["export", str(tmp_path / "missing"), "--format", "vllm"]) != 0

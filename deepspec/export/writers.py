@@ -234,6 +234,9 @@ def export_draft(
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        recipe = Path(checkpoint) / "config.yaml"
+        if recipe.is_file():  # the fully resolved training recipe travels with the export
+            shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
