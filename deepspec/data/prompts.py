@@ -94,6 +94,9 @@ def collect(cfg, strict: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Read, validate, dedupe and filter the source; returns (records in source order, counts)."""
     pc = cfg.data.prompts
     eval_texts, eval_files = eval_prompt_texts(cfg.eval.datasets_dir)
+    if not eval_files:
+        log.warning("no evaluation prompts found in %s (eval.datasets_dir); training prompts are not checked against them",
+                    cfg.eval.datasets_dir)
     counts = {"read": 0, "invalid": 0, "duplicates": 0, "eval_overlap": 0, "too_long": 0}
     issues: list[str] = []
     seen_keys: set[str] = set()
