@@ -8,6 +8,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box spinning threads cost a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory, tiny_llama_dir):
     """A random EAGLE-3 draft checkpoint whose provenance names the tiny target folder."""
