@@ -124,6 +124,9 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
     check_target_matches(meta, target)
     draft = load_draft(checkpoint_dir, target.model, device=device)
     draft = draft.to(dtype=next(target.model.parameters()).dtype).eval()
+    # decoding-time knobs of the recipe apply to the loaded draft (e.g. DSpark's confidence-threshold truncation)
+    if any(o.startswith("model.confidence_threshold=") for o in cfg.overrides) and hasattr(draft, "model_cfg"):
+        draft.model_cfg.confidence_threshold = cfg.model.confidence_threshold
     taps = list(draft.taps)
     proposer = draft.proposer()
     eos = eos_token_ids(target.model, target.tokenizer)
