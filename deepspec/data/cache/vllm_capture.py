@@ -45,6 +45,26 @@ def load_final_norm(path: str, config, dtype):
     return norm.to(dtype).eval().requires_grad_(False)
 
 
+def _wait_written(path: str, timeout_s: float = 300.0) -> bool:
+    """The engine returns a request before its worker writes the file (the save runs in a later engine
+    step): wait on the lock the connector holds until the write is done, then for the file itself."""
+    import fcntl
+    import time
+
+    lock = path + ".lock"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(lock):
+            with open(lock) as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps while the writer holds LOCK_EX
+            if os.path.isfile(path):
+                return True
+        elif os.path.isfile(path):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 class VLLMFeaturizer:
     """Runs batches of samples through an in-process vLLM engine; yields (sample, features [T, n_taps+1, H])."""
 
@@ -96,7 +116,7 @@ class VLLMFeaturizer:
         n = len(self.taps)
         for sample, out in zip(batch, outputs):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
-            if not path or not os.path.isfile(path):
+            if not path or not _wait_written(path):
                 raise EngineError(f"vLLM wrote no hidden states for sample {sample.id!r}; use cache.capture_backend=hf.")
             data = load_file(path)
             for p in (path, path + ".lock"):
