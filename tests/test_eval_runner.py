@@ -118,3 +118,14 @@ def test_cli_flags_become_overrides(tiny_ckpt, datasets_dir, tmp_path):
     cfg = load_eval_config(args)
     assert cfg.eval.tasks == ["gsm8k", "mt-bench"] and cfg.eval.max_samples == 2 and cfg.eval.temperature == 0.7
     assert cfg.eval.num_workers == 2 and cfg.target.name == "/some/where" and cfg.eval.max_new_tokens == 5
+
+
+def test_resolve_target_name(smollm2_dir, tiny_llama_dir):
+    from deepspec.config import load_config
+    from deepspec.eval.runner import resolve_target_name
+
+    meta = {"provenance": {"target": "smollm2-135m-instruct", "target_path": str(smollm2_dir)}}
+    assert resolve_target_name(load_config(None, []), meta) == "smollm2-135m-instruct"  # the recipe's spelling is kept
+    other = {"provenance": {"target": "org/not-local", "target_path": str(tiny_llama_dir)}}
+    assert resolve_target_name(load_config(None, []), other) == str(tiny_llama_dir)
+    assert resolve_target_name(load_config(None, [f"target.name={tiny_llama_dir}"]), meta) == str(tiny_llama_dir)

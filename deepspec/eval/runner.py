@@ -42,14 +42,33 @@ def target_overridden(cfg) -> bool:
     return any(o.startswith("target.name=") for o in cfg.overrides)
 
 
+def _local_or_embedded(name: str) -> bool:
+    from deepspec.targets import is_embedded
+
+    return is_embedded(name) or Path(name).expanduser().joinpath("config.json").is_file()
+
+
+def _same_target(a: str, b: str) -> bool:
+    from deepspec.targets import resolve_target_path
+
+    try:
+        return resolve_target_path(a) == resolve_target_path(b)
+    except Exception:  # noqa: BLE001 - an unresolvable name is simply "not the same"
+        return False
+
+
 def resolve_target_name(cfg, meta: dict[str, Any]) -> str:
-    """Target of the eval: an explicit override wins, then the checkpoint's provenance, then the config."""
+    """Target of the eval: an explicit override wins, then the checkpoint's provenance, then the config.
+
+    The config's own spelling is kept when it names the same model as the provenance (so a recipe's
+    `smollm2-135m-instruct` is not replaced by its folder path and reruns see the same config).
+    """
     if target_overridden(cfg):
         return cfg.target.name
     prov = meta.get("provenance") or {}
-    path = prov.get("target_path")
-    if path and Path(path).joinpath("config.json").is_file():
-        return str(path)
+    for name in (prov.get("target"), prov.get("target_path")):
+        if name and _local_or_embedded(str(name)):
+            return cfg.target.name if _same_target(cfg.target.name, str(name)) else str(name)
     return prov.get("target") or cfg.target.name
 
 
