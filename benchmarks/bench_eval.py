@@ -93,7 +93,9 @@ def main() -> int:
         "temperature": args.temperature, "device": res["meta"]["devices"][0], "torch_threads": __import__("torch").get_num_threads(),
         "wall_seconds": time.time() - t0,
     }
-    text = json.dumps(out, indent=2)
+    from deepspec.eval.report import _json_safe
+
+    text = json.dumps(_json_safe(out), indent=2)  # NaN (never-reached depths) -> null
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
