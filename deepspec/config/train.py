@@ -27,7 +27,7 @@ class TrainConfig:
     # Samples per optimizer step over all workers; accumulation = global / (world x micro).
     global_batch_size: int = 512
     micro_batch_size: int = 1
-    # Optional cap on padded tokens per micro-batch (long samples then go alone).
+    # Reserved: a cap on padded tokens per micro-batch (not supported yet; must stay null).
     max_tokens_per_batch: int | None = None
     # `length`: sort each global batch by length before cutting micro-batches (minimal padding).
     bucketing: Literal["length", "none"] = "length"
@@ -36,7 +36,8 @@ class TrainConfig:
     # `auto`: bf16 autocast on GPU, fp32 on CPU.
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     compile: bool = False
-    num_workers: int = 0
+    # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
+    num_workers: int = 2
     seed: int = 0
     save_every: int = 500
     keep_last: int = 3
@@ -54,10 +55,15 @@ class TrainConfig:
             raise ConfigError("train.global_batch_size and train.micro_batch_size must be >= 1.")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
-        if len(self.betas) != 2:
-            raise ConfigError(f"train.betas needs two numbers (beta1, beta2), got {self.betas}.")
         if self.keep_last < 1:
             raise ConfigError(f"train.keep_last must be >= 1, got {self.keep_last}.")
+        if self.max_tokens_per_batch is not None:
+            raise ConfigError(
+                "train.max_tokens_per_batch is not supported yet (every worker must run the same number of micro-batches); "
+                "leave it null and size batches with train.micro_batch_size (global batches are length-bucketed)."
+            )
+        if self.num_workers < 0:
+            raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}.")
 

@@ -63,6 +63,56 @@ class BatchPlan:
         return chunks[rank :: self.world]
 
 
+class Prefetcher:
+    """Reads and collates upcoming micro-batches in a background thread, in order.
+
+    `schedule` yields (step, micro index, sample indices) in training order; at most `depth`
+    batches are loaded ahead, so memory stays bounded. depth 0 = load synchronously. One thread
+    only: dataset readers (mmap LRU, online target) need not be thread-safe.
+    """
+
+    def __init__(self, dataset: Any, collate, schedule, depth: int):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.dataset, self.collate, self.schedule = dataset, collate, iter(schedule)
+        self.depth = depth
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepspec-data") if depth else None
+        self.queue: deque = deque()
+
+    def _load(self, indices: list[int]) -> DraftBatch:
+        return self.collate([self.dataset[i] for i in indices])
+
+    def _fill(self) -> None:
+        while self.pool is not None and len(self.queue) < self.depth:
+            item = next(self.schedule, None)
+            if item is None:
+                return
+            self.queue.append((item, self.pool.submit(self._load, item[2])))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, int, DraftBatch]:
+        if self.pool is None:
+            step, m, indices = next(self.schedule)
+            return step, m, self._load(indices)
+        self._fill()
+        if not self.queue:
+            raise StopIteration
+        (step, m, _), fut = self.queue.popleft()
+        batch = fut.result()
+        self._fill()
+        return step, m, batch
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for _, fut in self.queue:
+                fut.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
 def collate_features(items: list[dict[str, Any]]) -> DraftBatch:
     """Right-pad cache samples ({input_ids, loss_mask, taps, final_hidden}) into a DraftBatch."""
     T = max(int(it["input_ids"].shape[0]) for it in items)

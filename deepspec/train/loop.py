@@ -27,7 +27,7 @@ from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
-from deepspec.train.batches import BatchPlan, collate_fn, sample_lengths
+from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, sample_lengths
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler
@@ -164,17 +164,23 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     tokens_seen, t0 = 0, time.perf_counter()
     last_dir = ckpt.latest_step_dir(run_dir) if start_step else None
     step = start_step
+    schedule = (
+        (s, m, idx) for s in range(start_step, total_steps) for m, idx in enumerate(plan.micro_batches(s, info.rank, lengths))
+    )
+    loader = Prefetcher(parts.train_data, collate, schedule, tcfg.num_workers)
+    n_micro = plan.accum_steps
     try:
         while step < total_steps:
-            micro_batches = plan.micro_batches(step, info.rank, lengths)
             local_tokens = torch.zeros((), dtype=torch.float64)
             loss_sum = torch.zeros((), dtype=torch.float64)
             metric_sums: dict[str, list[float]] = {}
-            for m, indices in enumerate(micro_batches):
-                batch = collate([parts.train_data[i] for i in indices]).to(info.device, torch.float32)
+            for m in range(n_micro):
+                s_, m_, batch = next(loader)
+                assert (s_, m_) == (step, m), "data loader out of order"  # internal invariant, not user input
+                batch = batch.to(info.device, torch.float32)
                 n_tok = batch.num_loss_tokens
                 torch.manual_seed(_step_seed(tcfg.seed, step, m * info.world + info.rank))
-                sync = m == len(micro_batches) - 1
+                sync = m == n_micro - 1
                 ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
                 if sharded and hasattr(wrapped, "set_requires_gradient_sync"):
                     wrapped.set_requires_gradient_sync(sync)
@@ -241,6 +247,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             if _KILL_AFTER is not None and step == _KILL_AFTER and info.is_main:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash/resume tests
     finally:
+        loader.close()
         bar.close()
         loggers.close()
     if last_dir is None:

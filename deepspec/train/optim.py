@@ -52,6 +52,8 @@ def _embedding_params(model: nn.Module) -> set[int]:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Parameter groups by shape; raises a ConfigError when nothing is trainable."""
+    if len(cfg.betas) != 2:
+        raise ConfigError(f"train.betas needs two numbers (beta1, beta2), got {cfg.betas}.")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ConfigError("The draft has no trainable parameters; check model.* settings.")
