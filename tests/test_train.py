@@ -389,3 +389,15 @@ def test_online_mode_trains_from_the_colocated_target(recipe):
     assert set(losses) == {1, 2} and all(10 < v < 40 for v in losses.values())
     meta = json.loads((out / "config.json").read_text())
     assert meta["deepspec"]["provenance"]["taps"] == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_dflash_random_anchors_do_not_depend_on_worker_count(recipe):
+    """DFlash samples anchors at random; seeds follow the micro-batch's place in the global batch, not the rank."""
+    from deepspec.train import launch, train
+
+    opts = ("exp=dflash", "model.algorithm=dflash", "model.num_anchors=16", "train.max_steps=2", "logging.wandb=false")
+    one = train(_cfg(recipe, *opts, f"train.output_root={recipe.parent / 'one'}"))
+    two = launch(_cfg(recipe, *opts), 2, env=_env())
+    assert _max_diff(_weights(one), _weights(two)) < 1e-5
+    assert _losses(one.parent) == pytest.approx(_losses(two.parent), abs=1e-6)
