@@ -106,7 +106,9 @@ def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
         axes[1].plot(ks, surv, marker="o", label=name, **style)
     axes[0].set_title("conditional acceptance acc_cond@k")
     axes[1].set_title("prefix survival survival@k = P(A >= k)")
+    depth = max(len(r["acc_cond"]) for _, r in rows)
     for ax in axes:
+        ax.set_xticks(list(range(1, depth + 1)))
         ax.set_xlabel("draft depth k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
