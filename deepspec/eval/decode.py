@@ -48,11 +48,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _forward(model, ids: torch.Tensor, cache, hidden: bool):
+    """One target forward over `ids` appended to `cache`; a prefill (no cache yet) keeps only the last
+    position's logits (a [P, V] logits tensor for a long prompt costs more than the forward itself)."""
     from transformers import DynamicCache
 
+    kwargs = {}
     if cache is None:
         cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+        kwargs["logits_to_keep"] = 1
+    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=hidden, **kwargs)
     return out, cache
 
 
