@@ -2,7 +2,7 @@
 
 Modules: loop (the loop), batches (global-batch plan), optim (AdamW/Muon + warmup-cosine),
 parallel (DDP/FSDP2), checkpoint (step_N, step_latest, step_best, exact resume), loggers
-(wandb/tensorboard), validate (held-out τ), launch/worker (torchrun), build (default parts).
+(wandb/tensorboard), validate (held-out τ), launcher/worker (torchrun), build (default parts).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def train(cfg, parts=None):
 
 
 def launch(cfg, nproc: int, torchrun_args=(), env=None):
-    from deepspec.train.launch import launch as _launch
+    from deepspec.train.launcher import launch as _launch
 
     return _launch(cfg, nproc, torchrun_args, env)
 

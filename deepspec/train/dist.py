@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,16 +60,18 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def reduce_metrics(sums: dict[str, list[float]], device: torch.device) -> dict[str, float]:
+def reduce_metrics(sums: dict[str, Any], device: torch.device) -> dict[str, float]:
     """Token-weighted reduction: value = sum over ranks of numerators / sum of denominators.
 
-    Every rank must pass the same keys (drafts report the same metrics on every batch).
+    `sums[k]` is (numerator, denominator) as numbers or a 2-element tensor. Every rank must pass
+    the same keys (drafts report the same metrics on every batch). One collective for all keys.
     """
     if not sums:
         return {}
     keys = sorted(sums)
-    t = torch.tensor([[sums[k][0], sums[k][1]] for k in keys], dtype=torch.float64, device=device)
+    t = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).to(device).reshape(2) for k in keys])
     all_reduce_sum(t)
+    t = t.cpu()
     return {k: (float(t[i, 0] / t[i, 1]) if float(t[i, 1]) > 0 else float("nan")) for i, k in enumerate(keys)}
 
 

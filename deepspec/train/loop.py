@@ -171,14 +171,14 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     n_micro = plan.accum_steps
     try:
         while step < total_steps:
-            local_tokens = torch.zeros((), dtype=torch.float64)
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            metric_sums: dict[str, list[float]] = {}
+            local_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+            metric_sums: dict[str, torch.Tensor] = {}
             for m in range(n_micro):
                 s_, m_, batch = next(loader)
                 assert (s_, m_) == (step, m), "data loader out of order"  # internal invariant, not user input
+                n_tok, n_real = batch.num_loss_tokens, int(batch.attention_mask.sum())  # counted on the host
                 batch = batch.to(info.device, torch.float32)
-                n_tok = batch.num_loss_tokens
                 torch.manual_seed(_step_seed(tcfg.seed, step, m * info.world + info.rank))
                 sync = m == n_micro - 1
                 ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
@@ -188,15 +188,15 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                     with autocast():
                         loss, metrics = wrapped(batch)
                     (loss.float() * n_tok).backward()
-                loss_sum += float(loss.detach()) * n_tok
+                # accumulate on the device: one host sync per step, not per micro-batch and metric
+                loss_sum = loss_sum + loss.detach().double() * n_tok
                 local_tokens += n_tok
-                tokens_seen += int(batch.attention_mask.sum())
+                tokens_seen += n_real
                 for k, (num, den) in metrics.items():
-                    acc = metric_sums.setdefault(k, [0.0, 0.0])
-                    acc[0] += float(num)
-                    acc[1] += float(den)
+                    pair = torch.stack([num.detach().double().reshape(()), torch.as_tensor(den, device=num.device).double().reshape(())])
+                    metric_sums[k] = metric_sums[k] + pair if k in metric_sums else pair
             # token-weighted mean over the global batch: DDP/FSDP averaged over `world`, undo and divide by N
-            stats = torch.stack([local_tokens, loss_sum]).to(info.device)
+            stats = torch.stack([local_tokens, loss_sum])
             all_reduce_sum(stats)
             global_tokens, global_loss = float(stats[0]), float(stats[1])
             scale = info.world / max(global_tokens, 1.0)
