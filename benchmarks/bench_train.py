@@ -73,6 +73,9 @@ def _child(recipe: str, opts: list[str]) -> None:
     cfg = load_config(recipe, opts)
     info = init_distributed()
     try:
+        import torch
+
+        torch.manual_seed(cfg.train.seed)  # as train() does before building the draft
         parts = build_parts(cfg, info)
         parts.val_data = None  # throughput only
         t0 = time.perf_counter()
