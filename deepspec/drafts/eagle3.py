@@ -137,7 +137,11 @@ class Eagle3Draft(TargetBackedDraft):
         dev = ids.device
         draft_tids = self.draft_target_ids()
         with torch.no_grad():
-            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids)
+            # Target row i is only ever a label for token i+1, so rows whose next token is not
+            # supervised are never read: skip their full-vocabulary LM head (the dominant cost).
+            need = torch.zeros(b, t, dtype=torch.bool, device=dev)
+            need[:, :-1] = lm[:, 1:] & am[:, 1:]
+            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids, need)
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -173,11 +177,20 @@ class Eagle3Draft(TargetBackedDraft):
         metrics.update(self._tau_metrics(alphas, tops, valids))
         return total, metrics
 
-    def _target_stats(self, final_hidden: torch.Tensor, draft_tids: torch.Tensor):
+    def _target_stats(self, final_hidden: torch.Tensor, draft_tids: torch.Tensor, need: torch.Tensor | None = None):
         """Target distribution pieces on the draft vocabulary, computed in row chunks so the full
         [B, T, V] logits never exist at once: (soft labels renormalised on the draft vocab,
-        full-vocab probabilities of the draft tokens, full-vocab argmax)."""
+        full-vocab probabilities of the draft tokens, full-vocab argmax). Rows outside `need`
+        (a [B, T] bool mask) are left zero (argmax -1): callers never read them."""
         b, t, _ = final_hidden.shape
+        if need is not None and not bool(need.all()):
+            rows = need.reshape(-1).nonzero().squeeze(1)
+            sub, pf, top = self._target_stats(final_hidden.reshape(1, b * t, -1)[:, rows], draft_tids)
+            out_sub = sub.new_zeros(b * t, sub.shape[-1])
+            out_pf = pf.new_zeros(b * t, pf.shape[-1])
+            out_top = top.new_full((b * t,), -1)
+            out_sub[rows], out_pf[rows], out_top[rows] = sub[0], pf[0], top[0]
+            return out_sub.view(b, t, -1), out_pf.view(b, t, -1), out_top.view(b, t)
         flat = final_hidden.reshape(b * t, -1)
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
         subs, lses, tops = [], [], []
