@@ -110,3 +110,20 @@ def test_bad_rows_are_data_errors(tmp_path):
     (tmp_path / "gsm8k.jsonl").write_text("not json\n")
     with pytest.raises(DataError, match="not valid JSON"):
         load_benchmark("gsm8k", tmp_path)
+
+
+def test_heldout_prompts_as_a_benchmark(tmp_path):
+    """`eval.tasks: [heldout]` asks the recipe's held-out prompts (user turns, in order)."""
+    from deepspec.eval.benchmarks import load_heldout
+
+    path = tmp_path / "heldout.jsonl"
+    rows = [
+        {"id": "a", "conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
+                                      {"role": "assistant", "content": "x"}, {"role": "user", "content": "q2"}]},
+        {"id": "b", "conversations": [{"role": "user", "content": "only"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = load_heldout(path)
+    assert [s["turns"] for s in bench.samples] == [["q1", "q2"], ["only"]]
+    assert len(load_heldout(path, max_samples=1).samples) == 1
+    assert load_heldout(tmp_path / "missing.jsonl") is None

@@ -6,6 +6,7 @@ them and derives artifact paths, so every stage agrees on where the others write
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,12 @@ class Config:
         if not parts:
             return self.exp
         suffix = "__".join(re.sub(r"[^A-Za-z0-9_.=,-]+", "", p.split(".")[-1]) for p in parts)
-        return f"{self.exp}__{suffix}"[:200]
+        name = f"{self.exp}__{suffix}"
+        if len(name) > 120 or any("/" in p for p in parts):
+            # Long or path-valued overrides: keep the name readable and unique with a hash of all of them.
+            digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
+            name = f"{name[:100]}__{digest}"
+        return name
 
     @property
     def run_dir(self) -> Path:

@@ -109,3 +109,28 @@ def load_benchmark(name: str, datasets_dir: str | Path, max_samples: int | None 
         random.Random(seed).shuffle(rows)
         rows = rows[:cap]
     return Benchmark(name, path, rows, total_rows=total)
+
+
+HELDOUT_TASK = "heldout"
+
+
+def load_heldout(path: str | Path, max_samples: int | None = None, seed: int = 0) -> Benchmark | None:
+    """The recipe's own held-out prompts (same pool as training, never trained on) as a benchmark:
+    each conversation's user turns, asked in order after the model's own answers."""
+    path = Path(path)
+    if not path.is_file():
+        log.warning("benchmark heldout skipped: %s does not exist (run `deepspec data prompts` first).", path)
+        return None
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rec = json.loads(line)
+                turns = [m["content"] for m in rec.get("conversations", []) if m.get("role") == "user" and m.get("content")]
+                if turns:
+                    rows.append({"turns": turns, "id": rec.get("id")})
+    total = len(rows)
+    if max_samples is not None and len(rows) > max_samples:
+        random.Random(seed).shuffle(rows)
+        rows = rows[:max_samples]
+    return Benchmark(HELDOUT_TASK, path, rows, total_rows=total)

@@ -1,0 +1,56 @@
+"""A reduced quickstart, end to end on the embedded SmolLM2 target with the real vLLM engine:
+prompts -> regenerate (in-process vLLM) -> cache -> train EAGLE-3.1 -> eval (ours) -> export ->
+vLLM serving the export. Asserts every stage's artifact, and that vLLM accepted draft tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(1500)
+def test_reduced_quickstart(tmp_path, smollm2_dir):
+    pytest.importorskip("vllm")
+    out, ckpts = tmp_path / "outputs", tmp_path / "checkpoints"
+    opts = [
+        f"output_root={out}", f"train.output_root={ckpts}",
+        "data.prompts.max_samples=40", "data.prompts.heldout=4", "data.regenerate.sampling.max_tokens=64",
+        "cache.max_length=256", "train.max_steps=30", "train.val_every=15", "train.save_every=15",
+        "eval.tasks=[heldout,gsm8k]", "eval.max_samples=1", "eval.max_new_tokens=32",
+    ]
+    env = dict(os.environ, DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "deepspec.cli", "run", "config/quickstart/eagle3.yaml", "--opts", *opts]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    data = out / "quickstart" / "data"
+    for name in ("conversations.jsonl", "heldout.jsonl", "regenerated.jsonl", "regenerated.heldout.jsonl"):
+        assert (data / name).is_file() and (data / name).stat().st_size > 0, name
+    ids = [json.loads(line)["id"] for line in (data / "regenerated.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) > 0
+    for split in ("train", "heldout"):
+        manifest = json.loads((out / "quickstart" / "cache" / split / "manifest.json").read_text())
+        assert manifest["taps"] == [1, 14, 26]
+    run_dir = ckpts / "quickstart" / "eagle3"
+    step = run_dir / "step_30"
+    assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
+    assert (run_dir / "step_latest").exists()
+    eval_dir = step / "eval"
+    results = json.loads((eval_dir / "results.json").read_text())
+    assert (eval_dir / "results.md").is_file() and (eval_dir / "acceptance.png").stat().st_size > 1000
+    assert results["overall"]["rounds"] > 0 and results["overall"]["tau"] >= 1.0
+    engine = results["engine"]["overall"]
+    assert engine["engine_drafts"] > 0
+    assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
+    export = step / "export-vllm" / "config.json"
+    assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    summary = (out / "quickstart" / "summary.md").read_text()
+    assert "eagle3" in summary and "vLLM tau" in summary
