@@ -158,7 +158,7 @@ def stage_eval(cfg, checkpoint: Path, out_dir: Path, engine: bool) -> tuple[bool
 
 
 def _fmt(x: Any, nd: int = 2) -> str:
-    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "–"
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) and x == x else "–"  # x != x: NaN (no data at that depth)
 
 
 def summary_markdown(recipes: list[RecipeResult]) -> str:
