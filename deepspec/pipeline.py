@@ -136,7 +136,9 @@ def _eval_is_current(out_dir: Path, cfg) -> bool:
     if not (results.is_file() and saved.is_file()):
         return False
     old = yaml.safe_load(saved.read_text()) or {}
-    return old.get("eval") == config_to_dict(cfg)["eval"] and old.get("target", {}).get("name") == cfg.target.name
+    old_eval, new_eval = dict(old.get("eval") or {}), dict(config_to_dict(cfg)["eval"])
+    old_eval.pop("output_dir", None), new_eval.pop("output_dir", None)  # same folder, spelled relative or absolute
+    return old_eval == new_eval and old.get("target", {}).get("name") == cfg.target.name
 
 
 def stage_eval(cfg, checkpoint: Path, out_dir: Path, engine: bool) -> tuple[bool, dict[str, Any]]:
