@@ -50,7 +50,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     engine = results["engine"]["overall"]
     assert engine["engine_drafts"] > 0
     assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
-    export = step / "export-vllm" / "config.json"
+    export = eval_dir / "export-vllm" / "config.json"  # engine-backed eval exports next to its results
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     summary = (out / "quickstart" / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
