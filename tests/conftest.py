@@ -45,3 +45,14 @@ def vllm_target_server(smollm2_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(smollm2_dir, log_path=log_path, max_model_len=2048) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box spinning threads cost a lot."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

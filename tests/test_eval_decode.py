@@ -12,13 +12,7 @@ from deepspec.eval.sampling import verify
 TAPS = [0, 2, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box spinning threads cost a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class OracleProposer(Proposer):

@@ -17,13 +17,7 @@ from deepspec.drafts.registry import available_algorithms
 ALGOS = available_algorithms()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box spinning threads cost a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _algorithm(name):
