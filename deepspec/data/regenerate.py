@@ -12,7 +12,6 @@ never mix answers sampled with different parameters.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from deepspec.data.engines import Engine, Job, JobResult, create_engine, resolve_engine_name
 from deepspec.data.jsonl import JsonlAppender, iter_lines, read_jsonl, repair_tail, write_json_atomic, write_jsonl_atomic
 from deepspec.errors import DataError
+from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
 
 log = get_logger(__name__)
@@ -54,14 +54,6 @@ def settings(cfg) -> dict[str, Any]:
         "chat_template_kwargs": cfg.target.chat_template_kwargs,
         "sampling": dataclasses.asdict(cfg.data.regenerate.sampling),
     }
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_jobs(path: Path) -> list[Job]:
@@ -121,7 +113,7 @@ def split_status(cfg, inp: Path, out: Path) -> dict[str, int]:
 
 
 def _check_state(cfg, inp: Path, out: Path, overwrite: bool) -> dict[str, Any]:
-    state = {"input": str(inp), "input_sha256": _file_sha(inp), **settings(cfg)}
+    state = {"input": str(inp), "input_sha256": file_sha256(inp), **settings(cfg)}
     sp = state_path(out)
     if overwrite:
         for p in (out, errors_path(out), sp):

