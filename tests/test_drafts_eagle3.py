@@ -170,3 +170,29 @@ def test_acc_cond_is_expected_acceptance_and_chunk_invariant():
     torch.testing.assert_close(values[0][1], alpha.sum(), atol=1e-4, rtol=1e-5)
     for a, b in zip(*values):
         torch.testing.assert_close(a, b)
+
+
+def test_freeze_lm_head_keeps_target_rows():
+    """model.freeze_lm_head: the head stays the target's rows for the draft vocab through training
+    (the optimizer never sees it, it still reaches the checkpoint) while the rest trains."""
+    torch.manual_seed(0)
+    model, _ = tiny_target("llama")
+    cfg = ModelConfig(algorithm="eagle3", target_layer_ids=[0, 2, 4], ttt_length=2, draft_vocab_size=64, freeze_lm_head=True)
+    draft = get_algorithm("eagle3").from_target_config(model.config, cfg)
+    draft.load_target_weights(*target_weights(model))
+    counts = torch.arange(model.config.vocab_size, dtype=torch.float32)
+    draft.set_token_frequencies(counts)
+    rows = model.get_output_embeddings().weight[draft.draft_target_ids()].detach()
+    assert torch.equal(draft.lm_head.weight.detach(), rows)
+    assert not draft.lm_head.weight.requires_grad
+    assert "lm_head.weight" in draft.state_dict()
+
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(1))
+    taps, final = capture(model, ids, draft.taps)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    before_fc = draft.fc.weight.detach().clone()
+    loss, _ = draft.loss(_batch(ids, taps, final))
+    loss.backward()
+    opt.step()
+    assert torch.equal(draft.lm_head.weight.detach(), rows)
+    assert not torch.equal(draft.fc.weight.detach(), before_fc)  # the rest does train

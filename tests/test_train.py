@@ -197,6 +197,23 @@ def test_muon_takes_matrices_adamw_the_rest():
     opt.load_state_dict(state)
 
 
+def test_loss_tokens_all_supervises_prompt_tokens_but_not_padding():
+    from deepspec.train.batches import collate_features, supervise_all_tokens
+
+    def item(n: int, answer_from: int) -> dict:
+        return {
+            "input_ids": torch.arange(n), "loss_mask": torch.arange(n) >= answer_from,
+            "taps": torch.zeros(n, 2, 4), "final_hidden": torch.zeros(n, 4),
+        }
+
+    items = [item(6, 3), item(4, 1)]
+    assistant = collate_features(items)
+    everything = supervise_all_tokens(collate_features)(items)
+    assert assistant.loss_mask.tolist() == [[False, False, False, True, True, True], [False, True, True, True, False, False]]
+    assert everything.loss_mask.tolist() == [[True] * 6, [True] * 4 + [False] * 2]
+    assert torch.equal(everything.input_ids, assistant.input_ids)
+
+
 def test_pointer_file_fallback(tmp_path):
     from deepspec.train import checkpoint as ckpt
 

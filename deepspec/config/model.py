@@ -33,6 +33,9 @@ class ModelConfig:
     norm_output: bool = True
     norm_before_fc: bool = False
     norm_before_residual: bool = False
+    # Keep the draft LM head at the target's rows for the draft vocabulary instead of training it:
+    # far fewer trainable weights, so small datasets (the CPU quickstart) over-fit much less.
+    freeze_lm_head: bool = False
     # DFlash / DSpark
     block_size: int = 7
     num_anchors: int = 512

@@ -31,6 +31,9 @@ class TrainConfig:
     max_tokens_per_batch: int | None = None
     # `length`: sort each global batch by length before cutting micro-batches (minimal padding).
     bucketing: Literal["length", "none"] = "length"
+    # Which positions carry loss. `assistant`: the answer tokens (the cache's loss mask). `all`: prompt
+    # tokens too — the labels are the target's distributions, valid everywhere; helps small datasets.
+    loss_tokens: Literal["assistant", "all"] = "assistant"
     grad_clip: float = 1.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # `auto`: bf16 autocast on GPU, fp32 on CPU.

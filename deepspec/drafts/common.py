@@ -67,7 +67,8 @@ class TargetBackedDraft(DraftModel):
 
     def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits (fp32) from its final normed hidden state."""
-        return softcap(final_hidden.float() @ self.target_lm_head.float().T, self.arch.logit_softcap)
+        # (.float() after the matmul: under bf16 autocast the product is bf16, as the served target computes it)
+        return softcap((final_hidden.float() @ self.target_lm_head.float().T).float(), self.arch.logit_softcap)
 
     def export_config(self) -> dict[str, Any]:
         return {

@@ -44,6 +44,7 @@ class Eagle3Draft(TargetBackedDraft):
         dv = model_cfg.draft_vocab_size if model_cfg.draft_vocab_size and model_cfg.draft_vocab_size < arch.vocab_size else arch.vocab_size
         self.draft_vocab_size = dv
         self.lm_head = nn.Linear(h, dv, bias=False)
+        self.lm_head.weight.requires_grad_(not model_cfg.freeze_lm_head)
         d2t, t2d = build_draft_vocab(torch.zeros(arch.vocab_size), None if dv == arch.vocab_size else dv)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
@@ -57,7 +58,9 @@ class Eagle3Draft(TargetBackedDraft):
             self._on_target_loaded()
 
     def _on_target_loaded(self) -> None:
-        # The draft LM head starts as the target's rows for the draft tokens (and is trained).
+        # The draft LM head starts as the target's rows for the draft tokens (trained unless
+        # model.freeze_lm_head). The final norm stays at 1: starting it at the target's (mean 1.8 on
+        # SmolLM2) makes the first predictions over-confident, and the quickstart learned slower.
         with torch.no_grad():
             self.lm_head.weight.copy_(self.target_lm_head[self.draft_target_ids()].to(self.lm_head.weight.dtype))
 

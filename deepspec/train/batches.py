@@ -9,6 +9,8 @@ to worker i % world as its (i // world)-th accumulation step.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -131,6 +133,21 @@ def collate_features(items: list[dict[str, Any]]) -> DraftBatch:
         taps[b, :n] = it["taps"]
         final[b, :n] = it["final_hidden"]
     return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final)
+
+
+def supervise_all_tokens(collate):
+    """train.loss_tokens=all: every real token is a training target, prompt tokens included.
+
+    The labels are the target's own next-token distributions (cached final states), which are just
+    as valid after a prompt token as after an answer token, so this adds the prompt positions (a
+    third of the quickstart's tokens) as distillation signal at no extra target cost. Validation keeps
+    the assistant-only mask: answers are what a draft is served on."""
+
+    def wrapped(items: list[Any]) -> DraftBatch:
+        batch = collate(items)
+        return dataclasses.replace(batch, loss_mask=batch.attention_mask.clone())
+
+    return wrapped
 
 
 def sample_lengths(dataset: Any) -> list[int] | None:

@@ -27,7 +27,7 @@ from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
-from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, sample_lengths
+from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler
@@ -96,6 +96,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     total_steps = tcfg.max_steps or max(1, math.floor(tcfg.epochs * plan.steps_per_epoch))
     lengths = sample_lengths(parts.train_data)
     collate = collate_fn(parts.train_data)
+    if tcfg.loss_tokens == "all":
+        collate = supervise_all_tokens(collate)
 
     # ---------------------------------------------------------------- resume (weights before wrapping)
     start_step, state = 0, None
