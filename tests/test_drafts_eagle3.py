@@ -196,3 +196,46 @@ def test_freeze_lm_head_keeps_target_rows():
     opt.step()
     assert torch.equal(draft.lm_head.weight.detach(), rows)
     assert not torch.equal(draft.fc.weight.detach(), before_fc)  # the rest does train
+
+
+def test_feature_noise_only_in_training_and_scaled_per_tap():
+    """model.feature_noise perturbs the taps the draft reads in train mode only (eval and the
+    proposer see the clean features), with an amplitude relative to each tap's per-token RMS."""
+    _, draft, ids, taps, final = _setup("llama", draft_vocab_size=200, feature_noise=0.2)
+    draft.eval()
+    torch.testing.assert_close(draft._augment(taps), taps)
+    with torch.no_grad():
+        clean = [lg.clone() for _, lg in draft.ttt_steps(ids, taps)]
+    draft.train()
+    noisy = draft._augment(taps)
+    rel = (noisy - taps).abs() / taps.pow(2).mean(-1, keepdim=True).sqrt()
+    assert 0.1 < float(rel.max()) <= 0.2 + 1e-5  # U(-a, a) x RMS: bounded by a, and actually used
+    with torch.no_grad():
+        trained = [lg for _, lg in draft.ttt_steps(ids, taps)]
+    assert not torch.allclose(clean[0], trained[0])
+    with pytest.raises(ConfigError, match="feature_noise"):
+        ModelConfig(feature_noise=1.5).validate()
+
+
+def test_hidden_loss_pulls_normed_state_towards_next_target_state():
+    """model.hidden_loss_weight adds smooth-L1(draft normed state of row r at step k, target final state
+    of row r+1+k): zero when the draft reproduces it, positive otherwise, with gradients into the draft."""
+    _, draft, ids, taps, final = _setup("qwen3", draft_vocab_size=200)
+    base, _ = draft.loss(_batch(ids, taps, final))
+    draft.model_cfg.hidden_loss_weight = 1.0
+    with_h, _ = draft.loss(_batch(ids, taps, final))
+    assert float(with_h.detach()) > float(base.detach())
+    # Reproduce the extra term by hand for step 0 only (ttt_length=1).
+    draft.model_cfg.ttt_length = 1
+    draft.model_cfg.hidden_loss_weight = 0.0
+    base1, _ = draft.loss(_batch(ids, taps, final))
+    draft.model_cfg.hidden_loss_weight = 1.0
+    with_h1, _ = draft.loss(_batch(ids, taps, final))
+    with torch.no_grad():
+        _, _, normed = next(iter(draft.ttt_steps(ids, taps, with_normed=True)))
+        t = ids.shape[1]
+        diff = normed[:, : t - 2] - final[:, 1 : t - 1]
+        expected = torch.nn.functional.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none").mean(-1).mean()
+    torch.testing.assert_close(with_h1 - base1, expected, atol=1e-5, rtol=1e-4)
+    with_h1.backward()
+    assert draft.fc.weight.grad is not None and float(draft.fc.weight.grad.abs().sum()) > 0

@@ -262,3 +262,18 @@ def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir
     assert (again["done"], again["skipped"], again["failed"]) == (2, 4, 0)
     assert sorted(r["id"] for r in read_jsonl(cfg.regenerated_path)) == [c["id"] for c in convs]
     assert is_complete(cfg)
+
+
+def test_vllm_cpu_thread_binding_covers_every_usable_core(monkeypatch):
+    """vLLM's CPU default leaves one of two cores to its idle scheduler; we bind the model's OpenMP
+    threads to every core this process may use, and never override a value the user exported."""
+    from deepspec.data.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert vllm_engine.cpu_thread_binding() == "0-1"
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 2, 3}, raising=False)
+    assert vllm_engine.cpu_thread_binding() == "0,2,3"
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {5}, raising=False)
+    assert vllm_engine.cpu_thread_binding() == "5"
+    env = vllm_engine.vllm_cpu_env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "5" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"

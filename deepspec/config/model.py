@@ -36,6 +36,12 @@ class ModelConfig:
     # Keep the draft LM head at the target's rows for the draft vocabulary instead of training it:
     # far fewer trainable weights, so small datasets (the CPU quickstart) over-fit much less.
     freeze_lm_head: bool = False
+    # Training-only augmentation (EAGLE's trick against over-fitting small caches): each tap gets uniform
+    # noise U(-a, a) x its per-token RMS before the draft reads it. 0 = off. Never applied at eval/serving.
+    feature_noise: float = 0.0
+    # EAGLE-3: weight of a smooth-L1 loss pulling the draft's final normed state towards the target's next
+    # final state (EAGLE-1's feature regression; a denser signal per token for small caches). 0 = off.
+    hidden_loss_weight: float = 0.0
     # DFlash / DSpark
     block_size: int = 7
     num_anchors: int = 512
@@ -69,5 +75,7 @@ class ModelConfig:
             raise ConfigError("model.block_size and model.ttt_length must be >= 1.")
         if self.markov_rank < 1 and self.algorithm == "dspark":
             raise ConfigError("model.markov_rank must be >= 1 for DSpark (use model.algorithm=dflash for no Markov head).")
+        if not 0.0 <= self.feature_noise < 1.0:
+            raise ConfigError(f"model.feature_noise must be in [0, 1) (relative noise amplitude), got {self.feature_noise}.")
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")

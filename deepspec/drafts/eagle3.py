@@ -70,6 +70,7 @@ class Eagle3Draft(TargetBackedDraft):
     # --- forward pieces ---------------------------------------------------------------------------
     def combine_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [..., n_taps, H_t] -> fc input [..., H] (with the EAGLE-3.1 / legacy norms)."""
+        taps = self._augment(taps)
         if self.fc_norm is not None:
             x = torch.cat([norm(taps[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-1)
         else:
@@ -78,6 +79,15 @@ class Eagle3Draft(TargetBackedDraft):
                 x = self.input_norm(x)
         return self.fc(x)
 
+    def _augment(self, taps: torch.Tensor) -> torch.Tensor:
+        """Training-time feature noise (model.feature_noise): a regulariser for small caches, scaled by
+        each tap's per-token RMS so it means the same on every target and layer."""
+        a = float(getattr(self.model_cfg, "feature_noise", 0.0) or 0.0)
+        if not (self.training and a > 0):
+            return taps
+        rms = taps.float().pow(2).mean(-1, keepdim=True).sqrt().to(taps.dtype)
+        return taps + (torch.rand_like(taps) * 2 - 1) * (a * rms)
+
     def step(
         self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past: list[KV] | None, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
@@ -85,6 +95,10 @@ class Eagle3Draft(TargetBackedDraft):
 
         `past[i]` are layer i's keys/values the queries may attend to (mask covers past + new keys).
         """
+        return self._step(emb, hidden, position_ids, past, mask)[:3]
+
+    def _step(self, emb, hidden, position_ids, past, mask):
+        """`step` plus the final normed state (what the LM head reads), for the hidden-state loss."""
         cos, sin = self.rotary(position_ids, emb.dtype)
         new_kv: list[KV] = []
         layer = self.midlayer
@@ -106,11 +120,12 @@ class Eagle3Draft(TargetBackedDraft):
         out = residual + mlp_out
         normed = self.norm(out)
         logits = softcap(self.lm_head(normed), self.arch.logit_softcap)
-        return logits, (normed if self.model_cfg.norm_output else out), new_kv
+        return logits, (normed if self.model_cfg.norm_output else out), new_kv, normed
 
     # --- training ---------------------------------------------------------------------------------
-    def ttt_steps(self, input_ids: torch.Tensor, taps: torch.Tensor):
-        """Yield (k, logits [B, T, Dv]) for TTT steps k = 0..ttt_length-1 (rows >= T-1-k are padding).
+    def ttt_steps(self, input_ids: torch.Tensor, taps: torch.Tensor, with_normed: bool = False):
+        """Yield (k, logits [B, T, Dv]) for TTT steps k = 0..ttt_length-1 (rows >= T-1-k are padding);
+        with_normed: (k, logits, final normed state [B, T, H]).
 
         Row r at step k reads token r+1+k and the previous step's hidden state of row r, at RoPE
         position r+k; it attends to step-0 keys of rows <= r and to row r's keys of steps 1..k.
@@ -130,9 +145,9 @@ class Eagle3Draft(TargetBackedDraft):
             shifted[:, :n] = input_ids[:, 1 + k :]
             emb = self.embed(shifted).to(hidden.dtype)
             mask = torch.cat([base_mask] + [eye] * k, dim=1)[None, None]
-            logits, hidden, kv = self.step(emb, hidden, pos + k, past, mask)
+            logits, hidden, kv, normed = self._step(emb, hidden, pos + k, past, mask)
             past = kv if past is None else [(torch.cat([p[0], x[0]], 2), torch.cat([p[1], x[1]], 2)) for p, x in zip(past, kv)]
-            yield k, logits
+            yield (k, logits, normed) if with_normed else (k, logits)
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, Metrics]:
         ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
@@ -148,7 +163,8 @@ class Eagle3Draft(TargetBackedDraft):
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
-        for k, logits in self.ttt_steps(ids, batch.taps):
+        hidden_w = float(getattr(self.model_cfg, "hidden_loss_weight", 0.0) or 0.0)
+        for k, logits, normed in self.ttt_steps(ids, batch.taps, with_normed=True):
             n = t - 1 - k
             # row r (< n-1) predicts token r+2+k; its target distribution is row r+1+k of the target.
             m = n - 1
@@ -161,6 +177,12 @@ class Eagle3Draft(TargetBackedDraft):
             v = valid[:, :m].float()
             cnt = v.sum()
             step_loss = (ce * v).sum() / cnt.clamp(min=1)
+            if hidden_w > 0 and m > 0:
+                # EAGLE-1's feature loss: the draft's normed state should be the target's next final state
+                # (the draft LM head starts as the target's rows, so matching it reproduces the target's logits).
+                diff = normed[:, :m].float() - batch.final_hidden[:, 1 + k : 1 + k + m].float()
+                h_loss = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none").mean(-1)
+                step_loss = step_loss + hidden_w * (h_loss * v).sum() / cnt.clamp(min=1)
             total = total + (self.model_cfg.step_loss_decay**k) * step_loss
             with torch.no_grad():
                 pd = logp.exp()
