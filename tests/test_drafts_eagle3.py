@@ -239,3 +239,27 @@ def test_hidden_loss_pulls_normed_state_towards_next_target_state():
     torch.testing.assert_close(with_h1 - base1, expected, atol=1e-5, rtol=1e-4)
     with_h1.backward()
     assert draft.fc.weight.grad is not None and float(draft.fc.weight.grad.abs().sum()) > 0
+
+
+def test_ttt_inputs_draft_feeds_the_previous_steps_guess_in_training_only():
+    """model.ttt_inputs=draft: TTT step k >= 1 of row r reads the draft's own step k-1 argmax for token
+    r+1+k (mapped to target ids) instead of the data token — in training; validation keeps the data."""
+    _, draft, ids, taps, _ = _setup("llama", draft_vocab_size=200, ttt_length=3, ttt_inputs="draft")
+    seen = []
+    embed = draft.embed
+    draft.embed = lambda x: (seen.append(x.clone()), embed(x))[1]
+    draft.train()
+    with torch.no_grad():
+        steps = [lg for _, lg in draft.ttt_steps(ids, taps)]
+    t = ids.shape[1]
+    for k in (1, 2):
+        n = t - 1 - k
+        guess = draft.draft_target_ids()[steps[k - 1].argmax(-1)]
+        assert torch.equal(seen[k][:, :n], guess[:, :n])
+        assert not torch.equal(seen[k][:, :n], ids[:, 1 + k :])
+    assert torch.equal(seen[0][:, : t - 1], ids[:, 1:])  # step 0 always reads the data
+    seen.clear()
+    draft.eval()
+    with torch.no_grad():
+        list(draft.ttt_steps(ids, taps))
+    assert torch.equal(seen[1][:, : t - 2], ids[:, 2:])

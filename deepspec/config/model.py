@@ -42,6 +42,12 @@ class ModelConfig:
     # EAGLE-3: weight of a smooth-L1 loss pulling the draft's final normed state towards the target's next
     # final state (EAGLE-1's feature regression; a denser signal per token for small caches). 0 = off.
     hidden_loss_weight: float = 0.0
+    # EAGLE-3: temperature of the soft labels (the target's distribution on the draft vocabulary). < 1 sharpens
+    # them towards the target's argmax, which is what greedy verification accepts; metrics always use T=1.
+    label_temperature: float = 1.0
+    # EAGLE-3: what TTT steps >= 1 read in training. `data`: the next data token (teacher forcing). `draft`: the
+    # draft's own argmax of the previous step (on-policy, as speculators trains). Validation always uses `data`.
+    ttt_inputs: Literal["data", "draft"] = "data"
     # DFlash / DSpark
     block_size: int = 7
     num_anchors: int = 512
@@ -77,5 +83,7 @@ class ModelConfig:
             raise ConfigError("model.markov_rank must be >= 1 for DSpark (use model.algorithm=dflash for no Markov head).")
         if not 0.0 <= self.feature_noise < 1.0:
             raise ConfigError(f"model.feature_noise must be in [0, 1) (relative noise amplitude), got {self.feature_noise}.")
+        if self.label_temperature <= 0:
+            raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")

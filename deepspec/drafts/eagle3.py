@@ -137,15 +137,22 @@ class Eagle3Draft(TargetBackedDraft):
         base_mask = causal_mask(torch.arange(t, device=dev), torch.arange(t, device=dev))
         eye = torch.eye(t, dtype=torch.bool, device=dev)
         past: list[KV] | None = None
+        own_inputs = self.training and getattr(self.model_cfg, "ttt_inputs", "data") == "draft"
+        own: torch.Tensor | None = None
         for k in range(self.model_cfg.ttt_length):
             n = t - 1 - k  # rows with a next input token r+1+k
             if n <= 0:
                 return
             shifted = torch.zeros_like(input_ids)
-            shifted[:, :n] = input_ids[:, 1 + k :]
+            # step k >= 1 of row r reads token r+1+k: the data's, or (ttt_inputs=draft) the draft's own
+            # step k-1 guess for that very position, as a served chain would feed it.
+            shifted[:, :n] = input_ids[:, 1 + k :] if own is None else own[:, :n]
             emb = self.embed(shifted).to(hidden.dtype)
             mask = torch.cat([base_mask] + [eye] * k, dim=1)[None, None]
             logits, hidden, kv, normed = self._step(emb, hidden, pos + k, past, mask)
+            if own_inputs:
+                with torch.no_grad():
+                    own = self.draft_target_ids()[logits.argmax(-1)]
             past = kv if past is None else [(torch.cat([p[0], x[0]], 2), torch.cat([p[1], x[1]], 2)) for p, x in zip(past, kv)]
             yield (k, logits, normed) if with_normed else (k, logits)
 
@@ -226,7 +233,8 @@ class Eagle3Draft(TargetBackedDraft):
             subs.append(tl[:, draft_tids])
         sub = torch.cat(subs).view(b, t, -1)
         lse = torch.cat(lses).view(b, t, 1)
-        return torch.softmax(sub, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
+        label_t = float(getattr(self.model_cfg, "label_temperature", 1.0) or 1.0)
+        return torch.softmax(sub / label_t, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:
