@@ -21,8 +21,8 @@ def cpu_thread_binding() -> str:
 
     vLLM's CPU backend (`auto`) reserves one core per worker for its scheduler process and binds the
     model's OpenMP threads to the rest: on a 2-core machine the model runs on one core. During batched
-    generation the scheduler is mostly idle, so binding the model to all cores is ~1.6x faster here
-    (benchmarks/bench_regenerate.py). A value the user exported wins.
+    generation the scheduler is mostly idle, so binding the model to all cores is faster (SmolLM2, 128
+    prompts x <= 256 greedy tokens on 2 cores: 238 -> 380 output tokens/s). A value the user exported wins.
     """
     try:
         cores = sorted(os.sched_getaffinity(0))
