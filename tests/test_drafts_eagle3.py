@@ -263,3 +263,22 @@ def test_ttt_inputs_draft_feeds_the_previous_steps_guess_in_training_only():
     with torch.no_grad():
         list(draft.ttt_steps(ids, taps))
     assert torch.equal(seen[1][:, : t - 2], ids[:, 2:])
+
+
+def test_label_temperature_sharpens_the_loss_labels_not_the_metrics():
+    """model.label_temperature < 1 trains against softmax(target logits / T) on the draft vocab, while the
+    acceptance metrics keep the target's own distribution (T = 1)."""
+    _, draft, ids, taps, final = _setup("llama", draft_vocab_size=200, ttt_length=1)
+    with torch.no_grad():
+        loss1, m1 = draft.loss(_batch(ids, taps, final))
+        draft.model_cfg.label_temperature = 0.5
+        loss05, m05 = draft.loss(_batch(ids, taps, final))
+        step0 = next(iter(draft.ttt_steps(ids, taps)))[1]
+        t = ids.shape[1]
+        sub = (final @ draft.target_lm_head.T)[:, 1 : t - 1][..., draft.draft_target_ids()]
+        expected = -(torch.softmax(sub / 0.5, -1) * torch.log_softmax(step0[:, : t - 2], -1)).sum(-1).mean()
+    torch.testing.assert_close(loss05, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(loss1, loss05)
+    torch.testing.assert_close(m1["acc_cond@1"][0], m05["acc_cond@1"][0])
+    with pytest.raises(ConfigError, match="label_temperature"):
+        ModelConfig(label_temperature=0.0).validate()
