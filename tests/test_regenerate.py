@@ -277,3 +277,8 @@ def test_vllm_cpu_thread_binding_covers_every_usable_core(monkeypatch):
     assert vllm_engine.cpu_thread_binding() == "5"
     env = vllm_engine.vllm_cpu_env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "5" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    vllm_engine.vllm_llm_kwargs("model", None, 0, {})
+    assert vllm_engine.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert vllm_engine.os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"

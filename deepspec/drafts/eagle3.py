@@ -82,7 +82,7 @@ class Eagle3Draft(TargetBackedDraft):
     def _augment(self, taps: torch.Tensor) -> torch.Tensor:
         """Training-time feature noise (model.feature_noise): a regulariser for small caches, scaled by
         each tap's per-token RMS so it means the same on every target and layer."""
-        a = float(getattr(self.model_cfg, "feature_noise", 0.0) or 0.0)
+        a = self.model_cfg.feature_noise
         if not (self.training and a > 0):
             return taps
         rms = taps.float().pow(2).mean(-1, keepdim=True).sqrt().to(taps.dtype)
@@ -137,7 +137,8 @@ class Eagle3Draft(TargetBackedDraft):
         base_mask = causal_mask(torch.arange(t, device=dev), torch.arange(t, device=dev))
         eye = torch.eye(t, dtype=torch.bool, device=dev)
         past: list[KV] | None = None
-        own_inputs = self.training and getattr(self.model_cfg, "ttt_inputs", "data") == "draft"
+        own_inputs = self.training and self.model_cfg.ttt_inputs == "draft"
+        draft_tids = self.draft_target_ids() if own_inputs else None
         own: torch.Tensor | None = None
         for k in range(self.model_cfg.ttt_length):
             n = t - 1 - k  # rows with a next input token r+1+k
@@ -152,7 +153,7 @@ class Eagle3Draft(TargetBackedDraft):
             logits, hidden, kv, normed = self._step(emb, hidden, pos + k, past, mask)
             if own_inputs:
                 with torch.no_grad():
-                    own = self.draft_target_ids()[logits.argmax(-1)]
+                    own = draft_tids[logits.argmax(-1)]
             past = kv if past is None else [(torch.cat([p[0], x[0]], 2), torch.cat([p[1], x[1]], 2)) for p, x in zip(past, kv)]
             yield (k, logits, normed) if with_normed else (k, logits)
 
@@ -170,7 +171,7 @@ class Eagle3Draft(TargetBackedDraft):
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
-        hidden_w = float(getattr(self.model_cfg, "hidden_loss_weight", 0.0) or 0.0)
+        hidden_w = self.model_cfg.hidden_loss_weight
         for k, logits, normed in self.ttt_steps(ids, batch.taps, with_normed=True):
             n = t - 1 - k
             # row r (< n-1) predicts token r+2+k; its target distribution is row r+1+k of the target.
@@ -233,8 +234,7 @@ class Eagle3Draft(TargetBackedDraft):
             subs.append(tl[:, draft_tids])
         sub = torch.cat(subs).view(b, t, -1)
         lse = torch.cat(lses).view(b, t, 1)
-        label_t = float(getattr(self.model_cfg, "label_temperature", 1.0) or 1.0)
-        return torch.softmax(sub / label_t, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
+        return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:
