@@ -282,3 +282,32 @@ def test_label_temperature_sharpens_the_loss_labels_not_the_metrics():
     torch.testing.assert_close(m1["acc_cond@1"][0], m05["acc_cond@1"][0])
     with pytest.raises(ConfigError, match="label_temperature"):
         ModelConfig(label_temperature=0.0).validate()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_init_from_target_layer_starts_as_the_next_target_layer(family, tmp_path):
+    """model.init_from_target_layer=k with fc passing the deepest tap (layer k-1) through: before any
+    training, step 0's pre-norm output at row r equals the target's own layer-k output at position r
+    (HF hidden_states[k+1]), whatever the token half reads; the weights come from the saved checkpoint."""
+    from deepspec.train.build import load_target_layer
+
+    torch.manual_seed(0)
+    model, _ = tiny_target(family)
+    model.save_pretrained(tmp_path)
+    cfg = ModelConfig(algorithm="eagle3", target_layer_ids=[0, 1, 3], ttt_length=2, fc_norm=False, norm_output=False,
+                      init_from_target_layer=4)
+    draft = get_algorithm("eagle3").from_target_config(model.config, cfg)
+    draft.load_target_weights(*target_weights(model))
+    draft.init_from_target_layers([load_target_layer(str(tmp_path), 4)])
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        taps, _ = capture(model, ids, draft.taps)
+        want = model(ids, output_hidden_states=True).hidden_states[5]
+        hidden = draft.combine_taps(taps)
+        t = ids.shape[1]
+        pos = torch.arange(t).unsqueeze(0).expand(2, t)
+        mask = causal_mask(torch.arange(t), torch.arange(t))[None, None]
+        _, out, _ = draft.step(draft.embed(ids), hidden, pos, None, mask)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="was not found"):
+        load_target_layer(str(tmp_path), 99)

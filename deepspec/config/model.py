@@ -48,6 +48,10 @@ class ModelConfig:
     # EAGLE-3: what TTT steps >= 1 read in training. `data`: the next data token (teacher forcing). `draft`: the
     # draft's own argmax of the previous step (on-policy, as speculators trains). Validation always uses `data`.
     ttt_inputs: Literal["data", "draft"] = "data"
+    # EAGLE-3: start the draft decoder layer(s) as a copy of target decoder layer k (0-based; draft layer i gets
+    # target layer k+i) with fc passing the deepest tap through, instead of random weights: the draft begins as
+    # "the target's next layer over its deepest tap", a prior that small caches cannot teach. null = random init.
+    init_from_target_layer: int | None = None
     # DFlash / DSpark
     block_size: int = 7
     num_anchors: int = 512
@@ -87,3 +91,5 @@ class ModelConfig:
             raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")
+        if self.init_from_target_layer is not None and self.init_from_target_layer < 0:
+            raise ConfigError(f"model.init_from_target_layer must be a 0-based target layer index or null, got {self.init_from_target_layer}.")

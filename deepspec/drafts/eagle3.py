@@ -24,6 +24,7 @@ from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import build_draft_vocab, sample_token, target_ids_of_draft_vocab
+from deepspec.errors import ConfigError
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -63,6 +64,42 @@ class Eagle3Draft(TargetBackedDraft):
         # SmolLM2) makes the first predictions over-confident, and the quickstart learned slower.
         with torch.no_grad():
             self.lm_head.weight.copy_(self.target_lm_head[self.draft_target_ids()].to(self.lm_head.weight.dtype))
+
+    def init_from_target_layers(self, layers: list[dict[str, torch.Tensor]]) -> None:
+        """model.init_from_target_layer: draft layer i starts as target decoder layer k+i (HF parameter names,
+        without the `model.layers.N.` prefix) and fc passes the deepest tap through unchanged, so the draft
+        starts as the target's next layer over that tap. The first layer's q/k/v read [emb, hidden]: the
+        hidden half gets the target's weights, the token half starts at zero (it learns from there)."""
+        h, n = self.arch.hidden_size, len(self.taps)
+        if h != self.arch.target_hidden_size:
+            raise ConfigError(
+                f"model.init_from_target_layer needs the draft hidden size to equal the target's ({self.arch.target_hidden_size}), "
+                f"got {h}; drop model.hidden_size or the init option."
+            )
+        draft_layers = [self.midlayer, *self.layers]
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, (n - 1) * h :] = torch.eye(h, dtype=self.fc.weight.dtype)
+            for i, (layer, weights) in enumerate(zip(draft_layers, layers)):
+                own = dict(layer.named_parameters())
+                for name, w in weights.items():
+                    dest = "hidden_norm.weight" if (i == 0 and name == "input_layernorm.weight") else name
+                    if dest not in own:
+                        continue  # e.g. rotary buffers
+                    p = own[dest]
+                    w = w.to(p.dtype)
+                    if i == 0 and name.startswith("self_attn.") and name.split(".")[1] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+                        if tuple(w.shape) != (p.shape[0], h):
+                            raise ConfigError(f"Target tensor {name} has shape {tuple(w.shape)}; the draft expects ({p.shape[0]}, {h}).")
+                        p.zero_()
+                        p[:, h:] = w
+                    elif tuple(w.shape) == tuple(p.shape):
+                        p.copy_(w)
+                    else:
+                        raise ConfigError(
+                            f"Target tensor {name} has shape {tuple(w.shape)} but draft layer {i} has {tuple(p.shape)}; "
+                            "model.init_from_target_layer needs the draft sized like the target (drop the size overrides)."
+                        )
 
     def draft_target_ids(self) -> torch.Tensor:
         return target_ids_of_draft_vocab(self.d2t)

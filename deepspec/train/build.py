@@ -9,10 +9,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspec.errors import CacheError
+from deepspec.errors import CacheError, ConfigError
 from deepspec.log import get_logger
 
 log = get_logger(__name__)
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            weight_map.update({k: f.name for k in sf.keys()})
+    return weight_map
+
+
+def load_target_layer(path: str, k: int) -> dict[str, torch.Tensor]:
+    """Target decoder layer k's tensors, named as inside the layer (`self_attn.q_proj.weight`, ...)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    out: dict[str, torch.Tensor] = {}
+    for full, fname in _weight_map(folder).items():
+        for prefix in (f"model.layers.{k}.", f"model.language_model.layers.{k}."):
+            if full.startswith(prefix):
+                with safe_open(str(folder / fname), "pt") as sf:
+                    out[full[len(prefix) :]] = sf.get_tensor(full)
+    if not out:
+        raise ConfigError(f"Target layer {k} was not found in {folder}; model.init_from_target_layer must be a layer of the target.")
+    return out
 
 
 def load_target_head(path: str, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,15 +49,7 @@ def load_target_head(path: str, config: Any) -> tuple[torch.Tensor, torch.Tensor
     from safetensors import safe_open
 
     folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), "pt") as sf:
-                weight_map.update({k: f.name for k in sf.keys()})
+    weight_map = _weight_map(folder)
 
     def get(names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:
@@ -67,6 +88,17 @@ def build_parts(cfg, info):
     cls = get_algorithm(cfg.model.algorithm)
     model = cls.from_target_config(target_config, cfg.model)
     model.load_target_weights(embed, head)
+    k = cfg.model.init_from_target_layer
+    if k is not None:
+        if not hasattr(model, "init_from_target_layers"):
+            raise ConfigError(f"model.init_from_target_layer is an EAGLE-3 option; {cfg.model.algorithm} does not support it (set it to null).")
+        count = min(cfg.model.num_draft_layers, target_config.num_hidden_layers - k)
+        if count < 1:
+            raise ConfigError(
+                f"model.init_from_target_layer={k} is past the target's last layer ({target_config.num_hidden_layers - 1}); "
+                "give a 0-based decoder layer index."
+            )
+        model.init_from_target_layers([load_target_layer(path, j) for j in range(k, k + count)])
     counts = getattr(train_data, "token_counts", None)
     if counts is not None:
         counts = counts() if callable(counts) else counts
