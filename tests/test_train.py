@@ -53,7 +53,7 @@ model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null}}
 train:
   output_root: {root}/ckpt
   global_batch_size: 8
-  micro_batch_size: 2
+  micro_batch_size: 1   # one sample per micro-batch: the same micro-batches on 1 or 2 workers (exact equality below)
   max_steps: {STEPS}
   save_every: 2
   val_every: 3
@@ -132,12 +132,18 @@ def test_global_batch_is_independent_of_worker_count():
     assert (one.accum_steps, two.accum_steps, one.steps_per_epoch) == (4, 2, 5)
     for step in (0, 4, 5, 11):  # across an epoch boundary too
         a = one.micro_batches(step, 0, lengths)
-        b = [mb for r in range(2) for mb in two.micro_batches(step, r, lengths)]
-        assert sorted(map(tuple, a)) == sorted(map(tuple, b))
-        assert sorted(i for mb in a for i in mb) == sorted(one.global_indices(step))
-        # length bucketing: micro-batches are cut from the length-sorted global batch
-        flat = [i for mb in sorted(a, key=lambda mb: lengths[mb[0]]) for i in mb]
+        b = [two.micro_batches(step, r, lengths) for r in range(2)]
+        # the same samples, whatever the worker count
+        assert sorted(i for mb in a for i in mb) == sorted(i for part in b for mb in part for i in mb) == sorted(one.global_indices(step))
+        # length bucketing: one worker's micro-batches are consecutive runs of the length-sorted global batch
+        flat = [i for mb in a for i in mb]
         assert [lengths[i] for i in flat] == sorted(lengths[i] for i in flat)
+        # two workers: at every accumulation step both hold equally many samples of similar lengths
+        # (dealt out alternately from the sorted batch), not the short half vs the long half
+        for m in range(two.accum_steps):
+            l0, l1 = ([lengths[i] for i in b[r][m]] for r in range(2))
+            assert len(l0) == len(l1) and all(x <= y for x, y in zip(l0, l1))
+            assert sum(l1) - sum(l0) <= max(l1) - min(l0)
     assert one.global_indices(5) != one.global_indices(0)  # a new epoch reshuffles
 
 
@@ -245,7 +251,7 @@ def test_prune_keeps_last_k_and_best(tmp_path):
 
 @pytest.mark.slow
 def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
-    """2 gloo workers x 2 accumulation == 1 worker x 4 accumulation, same global batch, after 6 steps."""
+    """2 gloo workers x 4 accumulation == 1 worker x 8 accumulation, same global batch, after 6 steps."""
     from deepspec.train import launch
 
     ref = _weights(reference / f"step_{STEPS}")
@@ -302,7 +308,7 @@ def test_resume_on_another_worker_count_keeps_global_batch(recipe, reference):
     assert crashed.returncode != 0
     assert load_trainer_state(cfg.run_dir / "step_3")["world_size"] == 2
     assert (cfg.run_dir / "step_3" / "optimizer_dcp").is_dir()
-    out = train(cfg)  # one worker now, same global batch (8 = 1 x 2 micro x 4 accumulation)
+    out = train(cfg)  # one worker now, same global batch (8 = 1 x 1 micro x 8 accumulation)
     state = load_trainer_state(out)
     assert state["world_size"] == 1 and state["global_batch_size"] == 8 and state["step"] == STEPS
     ref, got = _losses(reference), _losses(cfg.run_dir)
@@ -418,3 +424,12 @@ def test_dflash_random_anchors_do_not_depend_on_worker_count(recipe):
     two = launch(_cfg(recipe, *opts), 2, env=_env())
     assert _max_diff(_weights(one), _weights(two)) < 1e-5
     assert _losses(one.parent) == pytest.approx(_losses(two.parent), abs=1e-6)
+
+
+def test_cpu_workers_share_the_usable_cores(monkeypatch):
+    """torchrun would give every CPU worker one thread; launch/train.sh split the usable cores instead."""
+    import deepspec.train.launcher as launcher
+
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert [launcher.cpu_threads_per_worker(n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]

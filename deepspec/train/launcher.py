@@ -24,6 +24,20 @@ def torchrun_command(config_path: str | Path, nproc: int, opts: Sequence[str] = 
     return cmd
 
 
+def cpu_threads_per_worker(nproc: int) -> int:
+    """torch threads for each of `nproc` workers on this node. torchrun would pin every worker to one
+    thread; CPU workers share the usable cores instead (on GPU one thread each is enough)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, nproc))
+
+
 def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Path:
     """Train `cfg` on `nproc` workers (torchrun subprocess); returns the final checkpoint directory.
 
@@ -39,6 +53,7 @@ def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, st
     path = save_config(cfg, run_dir, name="launch_config.yaml")
     cmd = torchrun_command(path, nproc, cfg.overrides, torchrun_args)
     run_env = dict(os.environ, **(env or {}))
+    run_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_worker(nproc)))
     # A wandb run in this process leaves WANDB_SERVICE pointing at its service; workers must start their own.
     run_env.pop("WANDB_SERVICE", None)
     rc = subprocess.call(cmd, env=run_env)

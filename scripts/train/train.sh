@@ -40,6 +40,11 @@ if [[ -z "$NPROC" ]]; then
   if [[ "$NGPU" -gt 0 ]]; then NPROC="$NGPU"; else NPROC=1; fi
 fi
 
+# CPU workers share the usable cores (torchrun alone would give each worker one thread); yours wins.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=$("$PYTHON" -c "from deepspec.train.launcher import cpu_threads_per_worker as f; print(f($NPROC))" 2>/dev/null || echo 1)
+fi
+
 STANDALONE=(--standalone)
 for a in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
   case "$a" in --nnodes*|--rdzv*|--master*|--node*) STANDALONE=() ;; esac
