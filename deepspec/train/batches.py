@@ -6,7 +6,7 @@ same global batch trains on exactly the same samples. Each global batch is sorte
 (`bucketing: length`); worker r takes every world-th sample of that order (r, r+world, ...) and cuts its
 share into micro-batches of consecutive samples. Dealing the sorted batch out keeps the workers' token
 counts equal at every accumulation step (they wait for each other at each gradient all-reduce: handing
-one worker the short half and the other the long half cost 2 CPU workers ~40% of their throughput) while
+one worker the short half and the other the long half cost 2 CPU workers ~20% of their throughput) while
 padding inside a micro-batch stays small. The grouping into micro-batches therefore depends on the worker
 count (the samples of a step and the token-weighted gradient do not); with micro_batch_size 1 it does not.
 """
