@@ -225,7 +225,9 @@ def _spawned_worker(rank: int, world: int, cfg, checkpoint_dir: str, target_name
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     setup_logging()
     if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        from deepspec.cpus import threads_per_worker
+
+        torch.set_num_threads(threads_per_worker(world))
     out = run_worker(cfg, checkpoint_dir, target_name, items, rank, world)
     path = Path(parts_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".json.tmp")

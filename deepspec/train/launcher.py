@@ -29,13 +29,9 @@ def cpu_threads_per_worker(nproc: int) -> int:
     thread; CPU workers share the usable cores instead (on GPU one thread each is enough)."""
     import torch
 
-    if torch.cuda.is_available():
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, nproc))
+    from deepspec.cpus import threads_per_worker
+
+    return 1 if torch.cuda.is_available() else threads_per_worker(nproc)
 
 
 def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Path:

@@ -25,6 +25,7 @@ import numpy as np
 
 from deepspec import __version__
 from deepspec.data.cache import format as fmt
+from deepspec.cpus import threads_per_worker
 from deepspec.data.chat import render_conversation
 from deepspec.errors import CacheError, DataError
 from deepspec.hashing import file_sha256
@@ -490,7 +491,7 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
         else:
             import torch.multiprocessing as mp
 
-            threads = max(1, (os.cpu_count() or 1) // nproc)
+            threads = threads_per_worker(nproc)
             try:
                 mp.spawn(_spawned_worker, args=(nproc, _free_port(), cfg, split, threads), nprocs=nproc, join=True)
             except mp.ProcessRaisedException as e:

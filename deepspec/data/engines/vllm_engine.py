@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from deepspec.cpus import usable_cpus
 from deepspec.data.engines.base import BatchEngine, LengthGuard, TurnOutput
 from deepspec.errors import EngineError, MissingDependencyError
 from deepspec.log import get_logger
@@ -24,10 +25,7 @@ def cpu_thread_binding() -> str:
     generation the scheduler is mostly idle, so binding the model to all cores is faster (SmolLM2, 128
     prompts x <= 256 greedy tokens on 2 cores: 238 -> 380 output tokens/s). A value the user exported wins.
     """
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = list(range(os.cpu_count() or 1))
+    cores = usable_cpus()
     if cores == list(range(cores[0], cores[-1] + 1)):
         return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
     return ",".join(map(str, cores))
