@@ -52,6 +52,7 @@ cache: {{max_length: 128}}
 model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null}}
 train:
   output_root: {root}/ckpt
+  optimizer: adamw       # the quickstart's Muon needs whole matrices; these tests cover FSDP too
   global_batch_size: 8
   micro_batch_size: 1   # one sample per micro-batch: the same micro-batches on 1 or 2 workers (exact equality below)
   max_steps: {STEPS}
