@@ -123,6 +123,32 @@ def test_loss_metrics_and_gradients():
     assert "accept_rate" not in " ".join(metrics)
 
 
+def test_unlogged_training_steps_give_the_same_loss_and_gradients_without_the_full_vocab_head():
+    """train_metrics=False (set by the trainer on steps it does not log) keeps the loss and gradients and
+    drops only the full-vocabulary metrics; evaluation mode always computes them."""
+    _, draft, ids, taps, final = _setup("llama", draft_vocab_size=120)
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    lm[:, 2:] = True
+    draft.train()
+    results = []
+    for flag in (True, False):
+        draft.zero_grad()
+        draft.train_metrics = flag
+        loss, metrics = draft.loss(_batch(ids, taps, final, lm))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}, metrics))
+    (loss_on, grads_on, m_on), (loss_off, grads_off, m_off) = results
+    torch.testing.assert_close(loss_off, loss_on, rtol=1e-6, atol=1e-6)
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    for n in grads_on:
+        torch.testing.assert_close(grads_off[n], grads_on[n], rtol=1e-5, atol=1e-6)
+    assert set(m_off) == {f"step_loss@{d}" for d in range(1, 5)}
+    assert {"acc_cond@1", "top1@1", "expected_tau", "greedy_tau"} <= set(m_on)
+    draft.eval()
+    assert "acc_cond@1" in draft.loss(_batch(ids, taps, final, lm))[1]  # validation keeps every metric
+    draft.train_metrics = True
+
+
 def test_expected_tau_formula():
     a = [torch.tensor([[0.5, 0.8]]), torch.tensor([[0.5, 0.1]])]
     v = [torch.tensor([[True, True]]), torch.tensor([[True, False]])]

@@ -91,6 +91,9 @@ class DraftModel(nn.Module, ABC):
     """A trainable draft. Frozen target embeddings / LM head are buffers, never parameters."""
 
     algorithm: ClassVar[str]
+    # The trainer sets this False on training steps whose metrics nobody logs (train.log_every): a draft may
+    # then skip work that only feeds metrics (EAGLE-3: the full-vocabulary target head). The loss must not change.
+    train_metrics: bool = True
 
     @classmethod
     @abstractmethod

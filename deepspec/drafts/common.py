@@ -65,10 +65,12 @@ class TargetBackedDraft(DraftModel):
         e = F.embedding(ids, self.target_embed)
         return e * self.arch.embed_scale if self.arch.embed_scale != 1.0 else e
 
-    def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's next-token logits (fp32) from its final normed hidden state."""
+    def target_logits(self, final_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's next-token logits (fp32) from its final normed hidden state; `rows`: only those
+        token ids' logits (columns in that order), without running the rest of the LM head."""
+        head = self.target_lm_head if rows is None else self.target_lm_head[rows]
         # (.float() after the matmul: under bf16 autocast the product is bf16, as the served target computes it)
-        return softcap((final_hidden.float() @ self.target_lm_head.float().T).float(), self.arch.logit_softcap)
+        return softcap((final_hidden.float() @ head.float().T).float(), self.arch.logit_softcap)
 
     def export_config(self) -> dict[str, Any]:
         return {

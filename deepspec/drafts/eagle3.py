@@ -199,12 +199,15 @@ class Eagle3Draft(TargetBackedDraft):
         b, t = ids.shape
         dev = ids.device
         draft_tids = self.draft_target_ids()
+        # The loss needs the target's logits on the draft vocabulary only; the full-vocabulary head
+        # (acceptance and top-1 metrics) is ~1/4 of a quickstart step, so unlogged training steps skip it.
+        with_metrics = self.train_metrics or not self.training
         with torch.no_grad():
             # Target row i is only ever a label for token i+1, so rows whose next token is not
-            # supervised are never read: skip their full-vocabulary LM head (the dominant cost).
+            # supervised are never read: skip their LM head (the dominant cost).
             need = torch.zeros(b, t, dtype=torch.bool, device=dev)
             need[:, :-1] = lm[:, 1:] & am[:, 1:]
-            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids, need)
+            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids, need, full_vocab=with_metrics)
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -229,6 +232,10 @@ class Eagle3Draft(TargetBackedDraft):
                 h_loss = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none").mean(-1)
                 step_loss = step_loss + hidden_w * (h_loss * v).sum() / cnt.clamp(min=1)
             total = total + (self.model_cfg.step_loss_decay**k) * step_loss
+            d = k + 1
+            metrics[f"step_loss@{d}"] = ((ce * v).sum().detach(), cnt.detach())
+            if not with_metrics:
+                continue
             with torch.no_grad():
                 pd = logp.exp()
                 alpha = torch.minimum(pd, p_full[:, 1 + k : 1 + k + m]).sum(-1)
@@ -240,38 +247,48 @@ class Eagle3Draft(TargetBackedDraft):
             alphas.append(a_full)
             tops.append(t_full)
             valids.append(valid)
-            d = k + 1
-            metrics[f"step_loss@{d}"] = ((ce * v).sum().detach(), cnt.detach())
             metrics[f"acc_cond@{d}"] = ((alpha * v).sum(), cnt.detach())
             metrics[f"top1@{d}"] = ((top * v).sum(), cnt.detach())
         metrics.update(self._tau_metrics(alphas, tops, valids))
         return total, metrics
 
-    def _target_stats(self, final_hidden: torch.Tensor, draft_tids: torch.Tensor, need: torch.Tensor | None = None):
+    def _target_stats(
+        self, final_hidden: torch.Tensor, draft_tids: torch.Tensor, need: torch.Tensor | None = None, full_vocab: bool = True
+    ):
         """Target distribution pieces on the draft vocabulary, computed in row chunks so the full
         [B, T, V] logits never exist at once: (soft labels renormalised on the draft vocab,
         full-vocab probabilities of the draft tokens, full-vocab argmax). Rows outside `need`
-        (a [B, T] bool mask) are left zero (argmax -1): callers never read them."""
+        (a [B, T] bool mask) are left zero (argmax -1): callers never read them.
+        full_vocab=False: only the LM head's draft-vocabulary rows run; the last two are None."""
         b, t, _ = final_hidden.shape
         if need is not None and not bool(need.all()):
             rows = need.reshape(-1).nonzero().squeeze(1)
-            sub, pf, top = self._target_stats(final_hidden.reshape(1, b * t, -1)[:, rows], draft_tids)
+            sub, pf, top = self._target_stats(final_hidden.reshape(1, b * t, -1)[:, rows], draft_tids, full_vocab=full_vocab)
             out_sub = sub.new_zeros(b * t, sub.shape[-1])
+            out_sub[rows] = sub[0]
+            if not full_vocab:
+                return out_sub.view(b, t, -1), None, None
             out_pf = pf.new_zeros(b * t, pf.shape[-1])
             out_top = top.new_full((b * t,), -1)
-            out_sub[rows], out_pf[rows], out_top[rows] = sub[0], pf[0], top[0]
+            out_pf[rows], out_top[rows] = pf[0], top[0]
             return out_sub.view(b, t, -1), out_pf.view(b, t, -1), out_top.view(b, t)
         flat = final_hidden.reshape(b * t, -1)
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
         subs, lses, tops = [], [], []
         for i in range(0, b * t, chunk):
+            if not full_vocab:
+                subs.append(self.target_logits(flat[i : i + chunk], rows=draft_tids))
+                continue
             tl = self.target_logits(flat[i : i + chunk])
             lses.append(torch.logsumexp(tl, dim=-1))
             tops.append(tl.argmax(-1))
             subs.append(tl[:, draft_tids])
         sub = torch.cat(subs).view(b, t, -1)
+        labels = torch.softmax(sub / self.model_cfg.label_temperature, dim=-1)
+        if not full_vocab:
+            return labels, None, None
         lse = torch.cat(lses).view(b, t, 1)
-        return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
+        return labels, torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:

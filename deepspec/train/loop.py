@@ -176,6 +176,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             local_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
             loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
             metric_sums: dict[str, torch.Tensor] = {}
+            # same test as the logging below (after step += 1): metrics of unlogged steps are never read
+            model.train_metrics = (step + 1) % tcfg.log_every == 0 or step + 1 == total_steps or step == start_step
             for m in range(n_micro):
                 s_, m_, batch = next(loader)
                 assert (s_, m_) == (step, m), "data loader out of order"  # internal invariant, not user input
