@@ -273,22 +273,20 @@ class Eagle3Draft(TargetBackedDraft):
             out_pf[rows], out_top[rows] = pf[0], top[0]
             return out_sub.view(b, t, -1), out_pf.view(b, t, -1), out_top.view(b, t)
         flat = final_hidden.reshape(b * t, -1)
+        if not full_vocab:
+            # the output is [rows, draft vocab] either way: one product, one gather of the head's rows
+            sub = self.target_logits(flat, rows=draft_tids).view(b, t, -1)
+            return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), None, None
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
         subs, lses, tops = [], [], []
         for i in range(0, b * t, chunk):
-            if not full_vocab:
-                subs.append(self.target_logits(flat[i : i + chunk], rows=draft_tids))
-                continue
             tl = self.target_logits(flat[i : i + chunk])
             lses.append(torch.logsumexp(tl, dim=-1))
             tops.append(tl.argmax(-1))
             subs.append(tl[:, draft_tids])
         sub = torch.cat(subs).view(b, t, -1)
-        labels = torch.softmax(sub / self.model_cfg.label_temperature, dim=-1)
-        if not full_vocab:
-            return labels, None, None
         lse = torch.cat(lses).view(b, t, 1)
-        return labels, torch.exp(sub - lse), torch.cat(tops).view(b, t)
+        return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:

@@ -176,8 +176,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             local_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
             loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
             metric_sums: dict[str, torch.Tensor] = {}
-            # same test as the logging below (after step += 1): metrics of unlogged steps are never read
-            model.train_metrics = (step + 1) % tcfg.log_every == 0 or step + 1 == total_steps or step == start_step
+            logged = (step + 1) % tcfg.log_every == 0 or step + 1 == total_steps or step == start_step
+            model.train_metrics = logged  # metrics of unlogged steps are never read
             for m in range(n_micro):
                 s_, m_, batch = next(loader)
                 assert (s_, m_) == (step, m), "data loader out of order"  # internal invariant, not user input
@@ -223,7 +223,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                    "train/tokens_per_s": tok_rate, "train/epoch": step / plan.steps_per_epoch}
             row.update({f"train/{k}": v for k, v in reduced.items()})
             if info.is_main:
-                if step % tcfg.log_every == 0 or step == total_steps or step == start_step + 1:
+                if logged:
                     loggers.log(row, step)
                     _append_jsonl(run_dir / "train_log.jsonl", step, row)
                 bar.update(1)
