@@ -54,3 +54,14 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     summary = (out / "quickstart" / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
+
+    # decoding sees what validation measured: the proposer replaying the held-out cache gets the
+    # validation greedy tau (bf16 rounding aside) — an alignment slip between the two would split them
+    replay = subprocess.run(
+        [sys.executable, "benchmarks/bench_replay.py", str(step), "--cache", str(out / "quickstart" / "cache" / "heldout")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert replay.returncode == 0, replay.stderr[-4000:]
+    figures = json.loads(replay.stdout.strip().splitlines()[-1])
+    assert figures["rows"] > 50 and figures["depth"] == figures["val_depths"] == 3
+    assert abs(figures["replay_greedy_tau"] - figures["val_greedy_tau"]) < 0.02, figures
