@@ -71,15 +71,14 @@ def main() -> int:
     val_depths = draft.model_cfg.ttt_length if hasattr(draft, "ttt_steps") else None
     if args.depth is None:
         args.depth = val_depths or 3
-    sums = {"greedy_tau": [0.0, 0.0]}
+    tau_sum = tau_rows = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for i in range(n):
             _, metrics = draft.loss(collate_features([data[i]]))
-            for k in sums:
-                if k in metrics:
-                    sums[k][0] += float(metrics[k][0])
-                    sums[k][1] += float(metrics[k][1])
-    val_tau = sums["greedy_tau"][0] / sums["greedy_tau"][1] if sums["greedy_tau"][1] else None
+            if "greedy_tau" in metrics:  # token-weighted over samples, as the trainer reduces it
+                tau_sum += float(metrics["greedy_tau"][0])
+                tau_rows += float(metrics["greedy_tau"][1])
+    val_tau = tau_sum / tau_rows if tau_rows else None
 
     # replay: the proposer in the target's dtype, as the evaluator runs it
     draft = draft.to(next(target.model.parameters()).dtype)
