@@ -62,7 +62,6 @@ def main() -> int:
     man = data.manifest
     target = load_target(man["target"], dtype=man.get("target_dtype", "float32"), device="cpu")
     n = len(data) if args.max_samples is None else min(len(data), args.max_samples)
-    head = target.model.get_output_embeddings().weight.float()
 
     # validation: the trainer's own metric (bf16 autocast, as train.precision=bf16 runs it)
     draft = load_draft(ckpt, target.model).eval()
@@ -90,7 +89,7 @@ def main() -> int:
             ids = torch.as_tensor(s["input_ids"]).long()
             mask = torch.as_tensor(s["loss_mask"]).bool()
             taps = torch.as_tensor(s["taps"])
-            argmax = (torch.as_tensor(s["final_hidden"]).float() @ head.T).argmax(-1)  # [j] = target's token after j
+            argmax = draft.target_logits(torch.as_tensor(s["final_hidden"])).argmax(-1)  # [j] = target's token after j
             answer = mask.nonzero()
             if len(answer) == 0:
                 continue
