@@ -130,6 +130,22 @@ def test_bf16_batched_cache_matches_hf_rounded(bf16_cache, tiny_llama_dir):
         torch.testing.assert_close(item["final_hidden"], hs[-1][0].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
 
 
+def test_shard_records_are_written_by_length_and_indexed_in_plan_order(data_root, tiny_llama_dir, tmp_path):
+    """Batches group similar lengths (padding is what the target forward wastes); the index stays in plan order."""
+    shutil.copytree(data_root / "data", tmp_path / "data")
+    cfg = make_cfg(tmp_path, tiny_llama_dir, shard_bytes=10**8)  # one shard: every sample in one layout
+    d = build_cache(cfg, "train")
+    index = np.load(d / fmt.INDEX)
+    ids = json.loads((d / fmt.IDS).read_text())
+    records = [json.loads(l)["id"] for l in (tmp_path / "data" / "regenerated.jsonl").read_text().splitlines()]
+    assert ids == [r for r in records if r in set(ids)]  # plan order = file order, dropped samples aside
+    assert (index["shard"] == 0).all()
+    assert not (np.diff(index["length"]) >= 0).all()  # the plan order is not sorted, so the next line can fail
+    assert (np.diff(index[np.argsort(index["offset"])]["length"]) >= 0).all()
+    ds = CacheDataset(d)
+    assert [len(ds[i]["input_ids"]) for i in range(len(ds))] == index["length"].tolist()
+
+
 def test_counts_drops_truncation_and_token_counts(bf16_cache):
     cfg, d = bf16_cache
     m = fmt.load_manifest(d)

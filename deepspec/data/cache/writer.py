@@ -273,22 +273,28 @@ def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer)
     tmp = bin_path.with_name(bin_path.name + ".tmp")
     rows = np.zeros(len(samples), dtype=fmt.INDEX_DTYPE)
     counts = np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
-    offset, i = 0, 0
+    # Batches of similar lengths: in the file's order a batch pads to its longest sample, and on the
+    # quickstart data that meant 2.3x the real tokens through the target (1.1x sorted). Records land
+    # in the shard in this order; the index keeps plan order, each row with its record's byte offset.
+    row_of = {id(x): j for j, x in enumerate(samples)}
+    by_length = sorted(samples, key=lambda x: len(x.input_ids))
+    offset = 0
     with open(tmp, "wb") as f:
-        for batch in _batches(samples, plan.signature["batch_tokens"]):
+        for batch in _batches(by_length, plan.signature["batch_tokens"]):
+            nbytes = 0
             for sample, feats in featurize(batch):
                 data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
                 f.write(data)
                 n_loss = int(sample.loss_mask.sum())
-                rows[i] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
+                rows[row_of[id(sample)]] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
                 lm = sample.input_ids[sample.loss_mask.astype(bool)]
                 if len(lm) and lm.max() >= len(counts):
                     counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
                 np.add.at(counts, lm, 1)
                 offset += len(data)
-                i += 1
+                nbytes += len(data)
             bar.update(sum(len(x.input_ids) for x in batch))
-            bar.bytes_written += sum(int(r["nbytes"]) for r in rows[i - len(batch) : i])
+            bar.bytes_written += nbytes
             bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
         f.flush()
         os.fsync(f.fileno())
