@@ -184,9 +184,10 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
         s = (res.get("engine") or {}).get("num_speculative_tokens")
         eng_tau = f"{_fmt(eng.get('engine_tau'))} (S={s})" if eng.get("engine_tau") is not None else "–"
         per_pos = eng.get("engine_survival") or []
+        speedup = f"{_fmt(overall['speedup'])}x" if overall.get("speedup") is not None else "not timed"
         pos = " / ".join(f"{p:.0%}" for p in per_pos) if per_pos else "–"
         lines.append(
-            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {_fmt(overall.get('speedup'))}x | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} |"
+            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {speedup} | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} |"
         )
     lines += ["", "## per-depth conditional acceptance acc_cond@k (overall)", ""]
     depth = max((len(((r.results or {}).get("overall") or {}).get("acc_cond") or []) for r in recipes), default=0)
