@@ -21,6 +21,7 @@ data's tokens, beyond which the replayed context would no longer be what decodin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -63,15 +64,22 @@ def main() -> int:
     target = load_target(man["target"], dtype=man.get("target_dtype", "float32"), device="cpu")
     n = len(data) if args.max_samples is None else min(len(data), args.max_samples)
 
-    # validation: the trainer's own metric (bf16 autocast, as train.precision=bf16 runs it)
+    # validation: the trainer's own metric, under the precision the run trained with (bf16 autocast
+    # where train.precision resolved to bf16 on this machine)
     draft = load_draft(ckpt, target.model).eval()
+    autocast = contextlib.nullcontext
+    if (ckpt / "config.yaml").is_file():
+        from deepspec.config import load_config
+        from deepspec.train.loop import autocast_context
+
+        autocast = autocast_context(load_config(ckpt / "config.yaml"), torch.device("cpu"))
     algo = type(draft).__name__
     # TTT drafts validate over ttt_length depths; block drafts (DFlash/DSpark) count their own block
     val_depths = draft.model_cfg.ttt_length if hasattr(draft, "ttt_steps") else None
     if args.depth is None:
         args.depth = val_depths or 3
     tau_sum = tau_rows = 0.0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), autocast():
         for i in range(n):
             _, metrics = draft.loss(collate_features([data[i]]))
             if "greedy_tau" in metrics:  # token-weighted over samples, as the trainer reduces it

@@ -23,6 +23,7 @@ from typing import Any
 
 from deepspec.errors import EngineError
 from deepspec.log import get_logger
+from deepspec.targets.load import resolve_dtype_name
 
 log = get_logger(__name__)
 
@@ -96,7 +97,7 @@ class VLLMServer:
         extra_args: list[str] | tuple[str, ...] = (),
         max_model_len: int = 2048,
         enforce_eager: bool = True,
-        dtype: str = "bfloat16",
+        dtype: str = "bf16_if_native",
         log_path: str | Path | None = None,
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
@@ -126,7 +127,7 @@ class VLLMServer:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len), "--dtype", resolve_dtype_name(self.dtype),
             "--served-model-name", self.served_model_name,
         ]
         if self.enforce_eager:

@@ -71,3 +71,52 @@ def test_embedded_target_answers_gsm8k_question(smollm2_dir):
     out = target.model.generate(**enc, max_new_tokens=60, do_sample=False)
     answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "8" in answer and "apple" in answer.lower(), answer
+
+
+def test_bf16_if_native_follows_the_cpu(tmp_path, monkeypatch):
+    """`bf16_if_native` is bf16 on GPU and on CPUs with AVX512-BF16 / AMX, fp32 elsewhere (emulated bf16 is
+    ~5x slower); `auto` stays fp32 on any CPU. The same answer reaches HF loading, vLLM and the trainer."""
+    import deepspec.cpus as cpus
+    from deepspec.config import config_from_dict
+    from deepspec.serving import VLLMServer
+    from deepspec.targets.load import resolve_dtype, resolve_dtype_name
+    from deepspec.train.loop import autocast_context
+
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c\n")
+    zen4 = tmp_path / "zen4"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    sapphire = tmp_path / "spr"
+    sapphire.write_text("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
+    assert [cpus.cpu_has_native_bf16(str(p)) for p in (avx2, zen4, sapphire)] == [False, True, True]
+    assert cpus.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+    real = cpus.cpu_has_native_bf16
+    for info, want in ((avx2, "float32"), (zen4, "bfloat16")):
+        monkeypatch.setattr(cpus, "cpu_has_native_bf16", lambda info=info: real(str(info)))
+        assert resolve_dtype_name("bf16_if_native", "cpu") == want
+        assert resolve_dtype("bf16_if_native", "cpu") == getattr(torch, want)
+        assert resolve_dtype_name("auto", "cpu") == "float32"
+        assert resolve_dtype_name("bf16_if_native", "cuda:0") == "bfloat16"
+        assert resolve_dtype_name("float16", "cpu") == "float16"
+        cmd = VLLMServer("m", port=1).command()
+        assert cmd[cmd.index("--dtype") + 1] == want
+        cfg = config_from_dict({"train": {"precision": "bf16_if_native"}})
+        with autocast_context(cfg, torch.device("cpu"))():
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == getattr(torch, want)
+
+
+def test_regeneration_runs_vllm_in_the_recipes_dtype(monkeypatch):
+    """The embedded target's folder says bf16; vLLM must get the recipe's resolved dtype instead (a user's
+    data.regenerate.vllm_kwargs.dtype still wins)."""
+    import deepspec.data.engines.vllm_engine as vllm_engine
+    from deepspec.config import config_from_dict
+    from deepspec.data.engines import create_engine
+
+    seen = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("deepspec.targets.resolve_target_path", lambda name: "/nowhere")
+    create_engine(config_from_dict({"target": {"dtype": "auto"}}), "vllm", [])
+    assert seen["vllm_kwargs"]["dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
+    create_engine(config_from_dict({"target": {"dtype": "auto"}, "data": {"regenerate": {"vllm_kwargs": {"dtype": "float16"}}}}), "vllm", [])
+    assert seen["vllm_kwargs"]["dtype"] == "float16"

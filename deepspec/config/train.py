@@ -36,8 +36,8 @@ class TrainConfig:
     loss_tokens: Literal["assistant", "all"] = "assistant"
     grad_clip: float = 1.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
-    # `auto`: bf16 autocast on GPU, fp32 on CPU.
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # `auto`: bf16 autocast on GPU, fp32 on CPU. `bf16_if_native`: bf16 also on CPUs with AVX512-BF16 / AMX.
+    precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
     compile: bool = False
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     num_workers: int = 2

@@ -154,7 +154,7 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     target_path = resolve_target_path(target_name)
     export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
-    with VLLMServer(target_path, speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args),
+    with VLLMServer(target_path, speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args), dtype=cfg.target.dtype,
                     max_model_len=cfg.eval.engine_max_model_len, log_path=out_dir / "vllm_server.log") as server:
         out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
     out.update(engine="vllm", speculative_config=spec, num_speculative_tokens=s)

@@ -34,12 +34,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, device: str):
+def resolve_dtype_name(dtype: str, device: str | None = None) -> str:
+    """The concrete dtype a `target.dtype` value means on `device` (default: this machine's).
+
+    `auto`: bf16 on GPU, fp32 on CPU. `bf16_if_native`: bf16 on GPU and on CPUs that compute it in
+    hardware (AVX512-BF16 / AMX), fp32 on other CPUs, where emulated bf16 is several times slower.
+    """
+    device = device or default_device()
+    on_gpu = device.startswith("cuda")
+    if dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if dtype == "bf16_if_native":
+        from deepspec.cpus import cpu_has_native_bf16
+
+        return "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
+    return dtype
+
+
+def resolve_dtype(dtype: str, device: str | None = None):
     import torch
 
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[resolve_dtype_name(dtype, device)]
 
 
 def template_hash(tokenizer) -> str:

@@ -64,10 +64,16 @@ def train(cfg, parts: TrainParts | None = None) -> Path:
         teardown(info)
 
 
-def _autocast(cfg, device: torch.device):
+def autocast_context(cfg, device: torch.device):
+    """A factory of the forward pass's precision context for `train.precision` on `device` (validation
+    and bench_replay reuse it, so they measure the draft as it trained)."""
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
+    elif precision == "bf16_if_native":
+        from deepspec.cpus import cpu_has_native_bf16
+
+        precision = "bf16" if device.type == "cuda" or cpu_has_native_bf16() else "fp32"
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
@@ -131,7 +137,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         rngs = state.get("rng") or []
         if info.rank < len(rngs):
             ckpt.set_rng_state(rngs[info.rank])
-    autocast = _autocast(cfg, info.device)
+    autocast = autocast_context(cfg, info.device)
 
     if info.is_main:
         save_config(cfg, run_dir)

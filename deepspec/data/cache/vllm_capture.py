@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 from deepspec.errors import EngineError, MissingDependencyError
 from deepspec.log import get_logger
+from deepspec.targets.load import resolve_dtype_name
 
 log = get_logger(__name__)
 
@@ -82,15 +83,13 @@ class VLLMFeaturizer:
         self.taps = list(taps)
         config = AutoConfig.from_pretrained(target_path, revision=revision, trust_remote_code=trust_remote_code)
         config = getattr(config, "text_config", None) or config
-        on_gpu = torch.cuda.is_available()
-        torch_dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-                       "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        dtype_name = resolve_dtype_name(dtype)
         self.norm = load_final_norm(target_path, config, torch.float32)
         self.scratch = Path(tempfile.mkdtemp(prefix="deepspec-vllm-capture-"))
         aux_ids = to_vllm_aux_ids(self.taps) + [config.num_hidden_layers]
         kwargs: dict[str, Any] = dict(
             model=target_path, revision=revision, trust_remote_code=trust_remote_code,
-            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype],
+            dtype=dtype_name,
             max_model_len=max_model_len, enforce_eager=True, enable_chunked_prefill=False, enable_prefix_caching=False,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},

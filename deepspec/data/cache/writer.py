@@ -30,6 +30,7 @@ from deepspec.data.chat import render_conversation
 from deepspec.errors import CacheError, DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
+from deepspec.targets.load import resolve_dtype_name
 
 log = get_logger(__name__)
 
@@ -176,7 +177,7 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         "split": split,
         "target": cfg.target.name,
         "target_revision": cfg.target.revision,
-        "target_dtype": cfg.target.dtype,
+        "target_dtype": resolve_dtype_name(cfg.target.dtype, os.environ.get("DEEPSPEC_CACHE_DEVICE")),
         "template_hash": template_hash(tokenizer),
         "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),
         "taps": taps,
