@@ -33,8 +33,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool 
     else:
         parser.add_argument("--config", default=None, help="YAML recipe (default: the one stored with the input)")
     parser.add_argument(
-        "--opts", nargs="+", default=[], metavar="KEY=VALUE",
-        help="override config fields with the schema's types, e.g. --opts train.lr=3e-4 model.target_layer_ids=[1,9,17]",
+        "--opts", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="override config fields with the schema's types, e.g. --opts train.lr=3e-4 model.target_layer_ids=[1,9,17]; "
+        "repeated --opts add up, later values win",
     )
 
 

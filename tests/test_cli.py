@@ -38,3 +38,15 @@ def test_user_error_is_one_line_not_a_traceback(tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "does not exist" in out.stderr
+
+
+def test_repeated_opts_add_up_and_later_values_win():
+    """scripts/quickstart.sh puts its own --opts before the user's: both must reach the config, the user's last."""
+    from deepspec.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(
+        ["train", "config/quickstart/eagle3.yaml", "--opts", "train.lr=1e-3", "train.epochs=2", "--opts", "train.lr=5e-4"]
+    )
+    assert args.opts == ["train.lr=1e-3", "train.epochs=2", "train.lr=5e-4"]
+    cfg = config_from_args(args)
+    assert (cfg.train.lr, cfg.train.epochs) == (5e-4, 2)

@@ -174,6 +174,7 @@ def test_muon_takes_matrices_adamw_the_rest():
     from torch import nn
 
     from deepspec.config.train import TrainConfig
+    from deepspec.train.muon import Muon
     from deepspec.train.optim import MultiOptimizer, build_optimizer, build_scheduler
 
     class Tiny(nn.Module):
@@ -188,7 +189,7 @@ def test_muon_takes_matrices_adamw_the_rest():
     opt = build_optimizer(m, TrainConfig(optimizer="muon", lr=1e-2))
     assert isinstance(opt, MultiOptimizer)
     muon, adam = opt.optimizers
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adam, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adam, torch.optim.AdamW)
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
     adam_ids = {id(p) for g in adam.param_groups for p in g["params"]}
     assert muon_ids == {id(m.lin.weight)}
@@ -202,6 +203,37 @@ def test_muon_takes_matrices_adamw_the_rest():
     assert all(g["lr"] == pytest.approx(g["initial_lr"]) for g in opt.param_groups)  # warmup step 2 of 2
     state = opt.state_dict()
     opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_muon_matches_torch_muon_and_iterates_in_fp32_without_native_bf16(shape):
+    """Our Muon is torch.optim.Muon's update (bit for bit with a bf16 iteration, the recipes were tuned on it);
+    in fp32 — what a CPU without native bf16 gets — it stays within bf16 rounding of it."""
+    from deepspec.train.muon import Muon, default_ns_dtype
+
+    def run(make):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(*shape))
+        opt = make([w])
+        for i in range(4):
+            torch.manual_seed(100 + i)
+            w.grad = torch.randn(*shape)
+            opt.step()
+        state = opt.state_dict()
+        return w.detach().clone(), state
+
+    kw = dict(lr=2e-3, weight_decay=0.01, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ref, ref_state = run(lambda ps: torch.optim.Muon(ps, **kw))
+    ours, ours_state = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours_state["state"][0]["momentum_buffer"], ref_state["state"][0]["momentum_buffer"])
+    fp32, _ = run(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))
+    start = torch.manual_seed(0) and torch.randn(*shape)
+    assert not torch.equal(fp32, ref)
+    assert (fp32 - ref).abs().max() < 0.02 * (ref - start).abs().max()
+    assert default_ns_dtype("cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.ones(3))])
 
 
 def test_loss_tokens_all_supervises_prompt_tokens_but_not_padding():

@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
 `adamw`: AdamW on every trainable parameter (no weight decay on 1-D norms/biases).
-`muon`: torch.optim.Muon on 2-D hidden weight matrices, AdamW on the rest (1-D parameters and
+`muon`: Muon (deepspec/train/muon.py: torch.optim.Muon's update, Newton–Schulz in bf16 only where the
+hardware computes bf16) on 2-D hidden weight matrices, AdamW on the rest (1-D parameters and
 embedding tables), as the DFlash recipes do. Frozen target embeddings / LM head are buffers in
 every draft, so they never reach an optimizer.
 """
@@ -15,6 +16,7 @@ from torch import nn
 
 from deepspec.config.train import TrainConfig
 from deepspec.errors import ConfigError
+from deepspec.train.muon import Muon
 
 
 class MultiOptimizer(torch.optim.Optimizer):
@@ -64,15 +66,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer == "adamw":
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kw)
-    if not hasattr(torch.optim, "Muon"):
-        raise ConfigError("train.optimizer=muon needs torch >= 2.9 (torch.optim.Muon); upgrade torch or use adamw.")
     matrices = [p for p in decay if p.ndim == 2 and id(p) not in embeds]
     rest_decay = [p for p in decay if not (p.ndim == 2 and id(p) not in embeds)]
     adam_groups = [{"params": rest_decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opts: list[torch.optim.Optimizer] = []
     if matrices:
         opts.append(
-            torch.optim.Muon(
+            Muon(
                 matrices, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                 adjust_lr_fn="match_rms_adamw",
             )
