@@ -98,7 +98,7 @@ class VLLMFeaturizer:
                                 "kv_role": "kv_producer",
                                 "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
         )
-        if not on_gpu:
+        if not torch.cuda.is_available():
             kwargs.update(gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
         kwargs.update(vllm_kwargs or {})
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
