@@ -92,6 +92,7 @@ def test_bf16_if_native_follows_the_cpu(tmp_path, monkeypatch):
     assert cpus.cpu_has_native_bf16(str(tmp_path / "missing")) is False
 
     real = cpus.cpu_has_native_bf16
+    monkeypatch.setattr("deepspec.targets.load.default_device", lambda: "cpu")  # what VLLMServer resolves against
     for info, want in ((avx2, "float32"), (zen4, "bfloat16")):
         monkeypatch.setattr(cpus, "cpu_has_native_bf16", lambda info=info: real(str(info)))
         assert resolve_dtype_name("bf16_if_native", "cpu") == want
