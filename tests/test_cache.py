@@ -53,6 +53,15 @@ def make_cfg(root: Path, target_dir: Path, **cache_opts):
     })
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _target_on_cpu():
+    """The golden comparisons are against an fp32 HF forward on the CPU; on a GPU machine the cache would run the
+    target on the GPU (in bf16 for target.dtype=auto), so these tests pin the cache's target to the CPU."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        yield
+
+
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache-data")
@@ -241,6 +250,22 @@ def test_two_workers_equal_one_worker(data_root, tiny_llama_dir, bf16_cache, tmp
     a, b = manifest_sans_time(d), manifest_sans_time(ref_dir)
     a.pop("data_path"), b.pop("data_path")
     assert a == b
+
+
+def test_cache_worker_barrier_is_gloo_on_a_gpu_machine(monkeypatch):
+    """`--nproc N` spawns CPU workers; their barrier-only group was NCCL whenever a GPU was visible, and two ranks on
+    one GPU failed ("Duplicate GPU detected", seen on an H100). The group never carries tensors: gloo everywhere."""
+    import torch.distributed as dist
+
+    from deepspec.data.cache import writer
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: seen.setdefault("barrier", True))
+    writer._barrier()
+    assert seen == {"backend": "gloo", "barrier": True}
 
 
 def test_overwrite_rebuilds(bf16_cache, tmp_path, data_root, tiny_llama_dir):

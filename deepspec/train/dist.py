@@ -33,6 +33,14 @@ def init_distributed() -> DistInfo:
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
+        n_gpus = torch.cuda.device_count()
+        if local_rank >= n_gpus:
+            from deepspec.errors import DeepSpecError
+
+            raise DeepSpecError(
+                f"This worker has LOCAL_RANK {local_rank} but only {n_gpus} GPU(s) are visible: start at most one worker per GPU "
+                "on each node (scripts/train/train.sh does by default), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU workers."
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -29,12 +29,8 @@ def wrap(draft: nn.Module, parallel: str, world: int, device: torch.device) -> n
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        # One FSDP unit per repeated block (decoder layers), then the root for the rest.
-        for m in list(draft.modules()):
-            if isinstance(m, nn.ModuleList):
-                for block in m:
-                    if any(p.requires_grad for p in block.parameters()):
-                        fully_shard(block)
+        for unit in fsdp_units(draft):
+            fully_shard(unit)
         fully_shard(module)
         return module
     if world > 1:
@@ -50,6 +46,27 @@ def wrap(draft: nn.Module, parallel: str, world: int, device: torch.device) -> n
                 broadcast_buffers=False,  # buffers are the frozen target copies, identical everywhere
             )
     return module
+
+
+def fsdp_units(draft: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP2 shards as units of their own (the root unit takes the rest): one per repeated block.
+
+    FSDP2 gathers a unit's weights only around that unit's forward(). A `DecoderLayer` has no forward: the drafts
+    drive its attention through projection methods (DFlash/DSpark project the context keys/values of every layer
+    before the block pass; EAGLE-3 steps through TTT), which a layer unit would leave sharded ("mixed torch.Tensor
+    and DTensor"). So a decoder layer contributes its MLP, reached only through forward() and most of its weights;
+    its attention and norms stay in the root unit, gathered for the whole forward.
+    """
+    from deepspec.drafts.layers import DecoderLayer
+
+    units = []
+    for m in draft.modules():
+        if isinstance(m, nn.ModuleList):
+            for block in m:
+                unit = block.mlp if isinstance(block, DecoderLayer) else block
+                if any(p.requires_grad for p in unit.parameters()):
+                    units.append(unit)
+    return units
 
 
 def full_trainable_state(wrapped: nn.Module, parallel: str, is_main: bool) -> dict[str, torch.Tensor] | None:

@@ -522,10 +522,10 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
 
 
 def _barrier() -> None:
+    """Barriers between cache workers. The group only ever synchronises (no tensors), so it is gloo on any machine:
+    NCCL would tie each rank to a GPU, and `--nproc N` CPU workers on a GPU machine all map to the same one."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        import torch
-
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")
     dist.barrier()
