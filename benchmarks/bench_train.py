@@ -43,12 +43,12 @@ _WORDS = (
 ).split()
 
 
-def _conversations(n: int, seed: int) -> list[dict]:
+def _conversations(n: int, seed: int, answer_words: tuple[int, int] = (20, 60)) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
         q = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 20)))
-        a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 60)))
+        a = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*answer_words)))
         out.append({"id": f"s{seed}-{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
     return out
 
@@ -63,14 +63,28 @@ def _opts(work: Path, algorithm: str, args) -> list[str]:
     ]
 
 
-def _child(recipe: str, opts: list[str]) -> None:
-    """Train in this process; print this process's figures as JSON on the last line."""
+def train_child(recipe: str, opts: list[str]) -> dict:
+    """Train in this process (alone, or as the rank of a torchrun launch); return its figures.
+
+    `draft_tokens_per_s` is the trainer's own figure (from the first step on, so one-time costs such as CUDA start-up
+    and torch.compile are in it); `steady_tokens_per_s` leaves the first step out (time between the first and the last
+    logged step, tokens of the steps in between, from the batch plan). On a GPU, `peak_gpu_mb` is the peak allocated.
+    """
+    import deepspec.train.loop as loop
     from deepspec.config import load_config
+    from deepspec.train.batches import BatchPlan, sample_lengths
     from deepspec.train.build import build_parts
     from deepspec.train.dist import init_distributed, teardown
-    from deepspec.train.loop import _train
 
     cfg = load_config(recipe, opts)
+    stamps: dict[int, float] = {}
+    append = loop._append_jsonl
+
+    def stamped(path, step, row):  # rank 0 writes a logged step's row right after the optimizer step
+        stamps[step] = time.perf_counter()
+        append(path, step, row)
+
+    loop._append_jsonl = stamped
     info = init_distributed()
     try:
         import torch
@@ -79,19 +93,38 @@ def _child(recipe: str, opts: list[str]) -> None:
         parts = build_parts(cfg, info)
         parts.val_data = None  # throughput only
         t0 = time.perf_counter()
-        _train(cfg, info, parts)
+        loop._train(cfg, info, parts)
         wall = time.perf_counter() - t0
     finally:
+        loop._append_jsonl = append
         teardown(info)
     rows = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
     last = rows[-1]
     trainable = sum(p.numel() for p in parts.model.parameters() if p.requires_grad)
-    print(json.dumps({
+    out = {
         "draft_tokens_per_s": round(last["train/tokens_per_s"], 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "steps": len(rows), "train_wall_s_incl_final_save": round(wall, 2), "trainable_params": trainable,
+        "steps": last["step"], "train_wall_s_incl_final_save": round(wall, 2), "trainable_params": trainable,
         "final_loss": round(last["train/loss"], 4),
-    }))
+    }
+    logged = sorted(stamps)
+    if info.world == 1 and len(logged) >= 2:
+        t = cfg.train
+        plan = BatchPlan(len(parts.train_data), t.global_batch_size, t.micro_batch_size, info.world, t.seed, t.bucketing)
+        lengths = sample_lengths(parts.train_data)
+        if lengths is not None:  # row `step` s is written after plan step s - 1
+            tokens = sum(lengths[i] for s in range(logged[0], logged[-1]) for i in plan.global_indices(s))
+            out["steady_tokens_per_s"] = round(tokens / (stamps[logged[-1]] - stamps[logged[0]]), 1)
+    if info.device.type == "cuda":
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
+    out["device"] = str(info.device)
+    out["run_dir"] = str(cfg.run_dir)
+    return out
+
+
+def _child(recipe: str, opts: list[str]) -> None:
+    """Train in this process; print this process's figures as JSON on the last line."""
+    print(json.dumps(train_child(recipe, opts)))
 
 
 def main() -> int:

@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""GPU smoke run and figures: training (torchrun + NCCL, bf16 autocast, DDP / FSDP2 / torch.compile) and
+speculative decoding on CUDA, on random-weight targets built from configs. Prints one JSON object.
+
+    python benchmarks/bench_gpu.py                                 # on a CUDA machine: everything below
+    python benchmarks/bench_gpu.py --tiny --variants ddp fsdp      # a quick CPU check of the same code paths
+
+Targets (random weights, so acceptance and tau mean nothing; the tokenizer is the tiny byte-level one of
+deepspec.targets.tiny, so the synthetic text is ~1 token per byte):
+  smollm2   a SmolLM2-135M-shaped Llama (30 layers, hidden 576, vocab 49152), recipes config/<algo>/smollm2.yaml
+  qwen3-4b  a Qwen3-4B-shaped Qwen3 (36 layers, hidden 2560, vocab 151936), the GPU recipes config/<algo>/qwen3-4b.yaml
+
+For each target and algorithm (eagle3, dflash, dspark): a synthetic training cache through the real cache stage,
+then a few optimizer steps in a torchrun worker (one rank: NCCL on the one GPU, gloo on CPU) with the recipe's
+precision (`auto`/`bf16` = bf16 autocast on GPU) and parallelism (variant `ddp`: DDP, FSDP for the Qwen3 EAGLE-3
+recipe), then `train.parallel=fsdp` and `train.compile=true` (SmolLM2 shape). `--budget-s` stops starting runs after that
+many seconds (the default fits a 10-minute call; skipped runs are listed). `steady_tokens_per_s` leaves the first step (CUDA start-up, compilation)
+out; `peak_gpu_mb` is the worker's peak allocated memory. Then the trained SmolLM2-shaped drafts (and the
+Qwen3-4B-shaped draft of the first algorithm) run through our speculative decoding evaluator on the GPU: in fp32, where greedy
+speculative decoding must give the target-only tokens (`greedy_outputs_match_target`), and in bf16 for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_train import _conversations, _opts  # noqa: E402  (shared synthetic data and trainer overrides)
+
+# name -> (family, config overrides of deepspec.targets.tiny.tiny_config, recipe target, extra recipe overrides)
+SHAPES = {
+    "smollm2": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                              rms_norm_eps=1e-5, tie_word_embeddings=True), "smollm2", []),
+    "qwen3-4b": ("qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                               rms_norm_eps=1e-6, tie_word_embeddings=True), "qwen3-4b", []),
+    # --tiny: the same recipes on the tests' tiny targets (taps / mask token / draft vocabulary that fit them)
+    "tiny-llama": ("llama", {}, "smollm2", ["model.target_layer_ids=[0,2,4]"]),
+    "tiny-qwen3": ("qwen3", {}, "qwen3-4b", ["model.target_layer_ids=[0,2,4]", "model.mask_token_id=259", "model.draft_vocab_size=256"]),
+}
+VARIANTS = {"ddp": [], "fsdp": ["train.parallel=fsdp"], "compile": ["train.compile=true"]}
+
+
+def _merge(opts: list[str], extra: list[str]) -> list[str]:
+    """`opts` with the keys of `extra` replaced (one value per key, the later one)."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [o for o in opts if o.split("=", 1)[0] not in keys] + extra
+
+
+def save_random_target(path: Path, shape: str, device: str) -> Path:
+    """A random-weight target of `shape` as an HF folder (fp32 up to ~1B parameters, else bf16), built on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deepspec.targets.tiny import tiny_config, tiny_tokenizer
+
+    if (path / "config.json").is_file():
+        return path
+    family, overrides, _, _ = SHAPES[shape]
+    config = tiny_config(family, **overrides)
+    big = config.hidden_size >= 2048
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if big else torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    del model
+    return path
+
+
+def _train_run(recipe: str, opts: list[str], timeout: int, log: Path) -> dict:
+    """One torchrun worker running bench_train's child (NCCL on a GPU, gloo on CPU); its figures.
+    Its stdout / stderr go to `log`.out / .err (files, not pipes: compile workers may outlive a killed worker)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(REPO / "benchmarks" / "bench_train.py"), "--_child", recipe, json.dumps(opts)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun then stops its worker, which runs in a session of its own (a SIGKILL to torchrun's
+            # group left it training on the GPU beside the next run, seen on the H100)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise RuntimeError(f"did not finish within --run-timeout {timeout} s (log: {err_path})") from None
+    if proc.returncode != 0:
+        lines = [ln for ln in err_path.read_text().splitlines() if ln.strip()]
+        # the worker's own exception, not torchrun's summary of it
+        errors = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b|error:", ln) and "elastic" not in ln and "ChildFailedError" not in ln]
+        raise RuntimeError(f"exit {proc.returncode}: " + " | ".join((errors or lines)[-3:]))
+    return json.loads(out_path.read_text().strip().splitlines()[-1])
+
+
+def _eval_run(ckpt: Path, dtype: str, args, out_dir: Path) -> dict:
+    """Our evaluator on `ckpt` with the target in `dtype`: tau, tokens/s, speedup, greedy agreement with target-only."""
+    from deepspec.config import load_config
+    from deepspec.eval.runner import evaluate
+
+    opts = [
+        "eval.tasks=[" + ",".join(args.eval_tasks) + "]", f"eval.max_samples={args.eval_samples}",
+        f"eval.max_new_tokens={args.eval_tokens}", "eval.temperature=0", f"eval.output_dir={out_dir}",
+        "eval.num_workers=1", f"target.dtype={dtype}",
+    ]
+    cfg = load_config(ckpt / "config.yaml", opts)
+    t0 = time.perf_counter()
+    res = evaluate(cfg, ckpt)
+    o = res["overall"]
+    return {
+        "target_dtype": dtype, "device": res["meta"]["devices"][0], "tau": o["tau"], "rounds": o["rounds"],
+        "spec_tokens_per_s": o.get("spec_tokens_per_s"), "target_tokens_per_s": o.get("target_tokens_per_s"),
+        "speedup": o.get("speedup"), "generated_tokens": o.get("spec_tokens"),
+        "greedy_outputs_match_target": res.get("greedy_outputs_match_target"),
+        "num_draft_tokens": res["meta"]["num_draft_tokens"], "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _environment() -> dict:
+    import importlib.util
+
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
+           "flash_attn": "installed" if importlib.util.find_spec("flash_attn") else "not installed (SDPA attention)",
+           "vllm": "installed" if importlib.util.find_spec("vllm") else "not installed"}
+    if torch.cuda.is_available():
+        env.update(device=torch.cuda.get_device_name(0), gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+    else:
+        env.update(device="cpu", threads=torch.get_num_threads())
+    return env
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny targets and short runs (a CPU check of the code paths)")
+    p.add_argument("--shapes", nargs="*", default=None, help="default: smollm2 qwen3-4b (tiny-llama tiny-qwen3 with --tiny)")
+    p.add_argument("--algorithms", nargs="*", default=["eagle3", "dflash", "dspark"])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), help="ddp (the recipe's parallelism), fsdp, compile")
+    p.add_argument("--variant-shapes", nargs="*", default=["smollm2", "tiny-llama"], help="shapes that also run the fsdp/compile variants")
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--eval-tasks", nargs="*", default=["gsm8k", "mt-bench"])
+    p.add_argument("--eval-samples", type=int, default=1, help="per task (mt-bench has two turns)")
+    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip the runs that would start after this many seconds")
+    p.add_argument("--run-timeout", type=int, default=300)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="also write the JSON here (rewritten after every run)")
+    args = p.parse_args()
+
+    import torch
+
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+    from deepspec.log import setup_logging
+
+    setup_logging("WARNING")
+    t_start = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = args.shapes or (["tiny-llama", "tiny-qwen3"] if args.tiny else ["smollm2", "qwen3-4b"])
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-gpu-"))
+    # answer words per sample (~6 tokens per word with the byte-level tokenizer), micro batch, cache.max_length
+    sizes = {"smollm2": ((150, 250), 2, 2048), "qwen3-4b": ((250, 330), 1, 4096)}
+    result = {
+        "benchmark": "gpu", "date": time.strftime("%Y-%m-%d"), **_environment(), "workers": 1,
+        "note": ("random-weight targets built from configs and the tiny byte-level tokenizer: training throughput, memory and "
+                 "decoding speed are real, acceptance (tau) and therefore speedup are meaningless (an untrained draft of a "
+                 "random target is almost never accepted)"),
+        "train": [], "eval": [], "skipped": [],
+    }
+
+    from deepspec.eval.report import _json_safe
+
+    def emit() -> None:
+        text = json.dumps(_json_safe(result), indent=2, default=str)  # NaN (never-reached depths) -> null
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text + "\n")
+
+    def over_budget(what: str) -> bool:
+        if time.perf_counter() - t_start > args.budget_s:
+            result["skipped"].append(f"{what}: over --budget-s {args.budget_s:g}")
+            emit()
+            return True
+        return False
+
+    trained: dict[tuple[str, str], Path] = {}
+    prepared: dict[str, tuple[Path, Path]] = {}
+
+    def prepare(shape: str) -> tuple[Path, Path]:
+        if shape not in prepared:
+            t0 = time.perf_counter()
+            target = save_random_target(work / f"target-{shape}", shape, device)
+            data = work / f"data-{shape}"
+            data.mkdir(parents=True, exist_ok=True)
+            answer_words = sizes.get(shape, ((20, 60), 2, 1024))[0]
+            (data / "regenerated.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _conversations(args.samples, 0, answer_words)))
+            result.setdefault("target_build_s", {})[shape] = round(time.perf_counter() - t0, 1)
+            prepared[shape] = (target, data)
+        return prepared[shape]
+
+    def train_runs(shape: str, variant: str) -> None:
+        _, micro, max_len = sizes.get(shape, ((20, 60), 2, 1024))
+        _, _, recipe_target, extra = SHAPES[shape]
+        steps = max(2, args.steps - (1 if shape.startswith("qwen3") else 0))
+        targs = argparse.Namespace(global_batch=args.global_batch, micro_batch=micro, steps=steps)
+        for algorithm in args.algorithms:
+            name = f"{shape}/{algorithm}/{variant}"
+            if over_budget(name):
+                continue
+            target, data = prepare(shape)
+            recipe = str(REPO / "config" / algorithm / f"{recipe_target}.yaml")
+            opts = _merge(_opts(work, f"{shape}-{algorithm}", targs), [
+                f"target.name={target}", f"data.dir={data}", f"cache.max_length={max_len}", "train.log_every=1000",
+                *extra, *VARIANTS[variant],
+            ])
+            cfg = load_config(recipe, opts)
+            row = {"target": shape, "algorithm": algorithm, "variant": variant, "precision": cfg.train.precision,
+                   "parallel": cfg.train.parallel, "compile": cfg.train.compile, "optimizer": cfg.train.optimizer,
+                   "micro_batch": micro, "global_batch": args.global_batch}
+            try:
+                taps = cfg.model.target_layer_ids
+                opts = _merge(opts, [f"cache.dir={work / ('cache-' + shape + '-' + ('-'.join(map(str, taps)) if taps else algorithm))}"])
+                cfg = load_config(recipe, opts)
+                t0 = time.perf_counter()
+                build_cache(cfg, "train")  # skipped when this shape's cache for these taps is complete
+                row["cache_s"] = round(time.perf_counter() - t0, 1)
+                if device == "cuda":
+                    torch.cuda.empty_cache()  # the worker process needs the memory, not this one
+                row.update(_train_run(recipe, opts, args.run_timeout, work / "logs" / f"{shape}-{algorithm}-{variant}"))
+                if variant == "ddp":
+                    trained[(shape, algorithm)] = Path(row["run_dir"]) / f"step_{steps}"
+            except Exception as e:  # report and go on with the next run
+                row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+            row.pop("run_dir", None)
+            result["train"].append(row)
+            emit()
+
+    def eval_runs(shape: str) -> None:
+        big = shape == "qwen3-4b"
+        for algorithm, dtype in ([(args.algorithms[0], "bfloat16")] if big else [(a, d) for a in args.algorithms for d in ("float32", "bfloat16")]):
+            ckpt = trained.get((shape, algorithm))
+            if ckpt is None or over_budget(f"eval {shape}/{algorithm}/{dtype}"):
+                continue
+            row = {"target": shape, "algorithm": algorithm, "tasks": args.eval_tasks, "samples_per_task": args.eval_samples,
+                   "max_new_tokens": args.eval_tokens}
+            try:
+                row.update(_eval_run(ckpt, dtype, args, work / "eval" / f"{shape}-{algorithm}-{dtype}"))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+            result["eval"].append(row)
+            emit()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+    # the recipes' own settings and decoding first, then the FSDP2 / torch.compile variants
+    for shape in shapes:
+        if "ddp" in args.variants:
+            train_runs(shape, "ddp")
+        if not args.no_eval:
+            eval_runs(shape)
+    for variant in [v for v in args.variants if v != "ddp"]:
+        for shape in shapes:
+            if shape in args.variant_shapes:
+                train_runs(shape, variant)
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    emit()
+    print(json.dumps(_json_safe(result), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
