@@ -158,10 +158,11 @@ class VLLMServer:
         self._proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            code = self._proc.poll()
+            if code is not None:
                 tail = self.log_tail()
-                self.stop()
-                raise EngineError(f"vLLM server exited with code {self._proc.returncode} during start-up; last log lines:\n{tail}")
+                self.stop()  # closes the log and forgets the process: read its exit code first
+                raise EngineError(f"vLLM server exited with code {code} during start-up; last log lines:\n{tail}")
             if self.healthy():
                 log.info("vLLM server ready at %s after %.0f s", self.base_url, self.startup_timeout - (deadline - time.monotonic()))
                 return self

@@ -337,3 +337,35 @@ def test_init_from_target_layer_starts_as_the_next_target_layer(family, tmp_path
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ConfigError, match="was not found"):
         load_target_layer(str(tmp_path), 99)
+
+
+def test_init_copy_heads_copies_a_repeated_span_before_any_training():
+    """The written-in induction heads: on a span seen before, row t (input token x_{t+1}) predicts the token
+    that followed x_{t+1} the first time, with no training; random init does not."""
+    torch.manual_seed(0)
+    model, _ = tiny_target("llama")
+    span = torch.randperm(250, generator=torch.Generator().manual_seed(3))[:24]
+    ids = torch.cat([span, span])[None]
+
+    def copy_accuracy(init: bool) -> float:
+        cfg = ModelConfig(algorithm="eagle3", ttt_length=1, target_layer_ids=[-1, 2, 4], init_copy_heads=init)
+        torch.manual_seed(0)
+        draft = get_algorithm("eagle3").from_target_config(model.config, cfg)
+        draft.load_target_weights(*target_weights(model))
+        if init:
+            draft.init_copy_heads()
+        taps, _ = capture(model, ids, draft.taps)
+        with torch.no_grad():
+            (_, logits), = list(draft.ttt_steps(ids, taps))
+        pred = draft.draft_target_ids()[logits[0].argmax(-1)]
+        rows = torch.arange(24, 46)  # second copy: row t predicts x_{t+2}, which the span already showed
+        return float((pred[rows] == ids[0, rows + 2]).float().mean())
+
+    assert copy_accuracy(True) >= 0.5
+    assert copy_accuracy(False) < 0.2
+
+
+def test_init_copy_heads_needs_the_embeddings_tap():
+    _, draft, *_ = _setup("llama", init_copy_heads=True)
+    with pytest.raises(ConfigError, match="-1"):
+        draft.init_copy_heads()

@@ -40,6 +40,7 @@ def test_eagle3_llama_layout(tmp_path, tiny_llama_dir):
     cfg, w = _read(out)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # our taps + 1
+    assert cfg["num_aux_hidden_states"] == 3
     assert (cfg["draft_vocab_size"], cfg["vocab_size"], cfg["target_hidden_size"], cfg["num_hidden_layers"]) == (100, 320, 64, 2)
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["norm_before_fc"] is False
     expected = {"fc.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -49,6 +50,15 @@ def test_eagle3_llama_layout(tmp_path, tiny_llama_dir):
     assert w["lm_head.weight"].shape == (100, 64) and w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
     assert torch.equal(w["d2t"], draft.d2t) and w["fc.weight"].dtype == torch.bfloat16
     assert cfg["deepspec"]["provenance"]["target"] == "tiny-llama"
+
+
+def test_eagle3_with_the_embeddings_tap_tells_vllm_how_many_taps_fc_reads(tmp_path, tiny_llama_dir):
+    """vLLM sizes the drafter's fc from num_aux_hidden_states and assumes 3 without it: a 4-tap draft
+    (embeddings + 3 layers, as model.init_copy_heads uses) failed to load with a [64, 256] vs [64, 192] fc."""
+    _, ckpt = _ckpt(tmp_path, "llama", "eagle3", draft_vocab_size=100, target_layer_ids=[-1, 0, 2, 3])
+    cfg, w = _read(export_draft(ckpt, tmp_path / "out", "vllm", target=str(tiny_llama_dir)))
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3, 4] and cfg["num_aux_hidden_states"] == 4
+    assert w["fc.weight"].shape == (64, 4 * 64)
 
 
 def test_eagle3_qwen3_full_vocab_layout(tmp_path, tiny_qwen3_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def save_config(cfg: Config, directory: str | Path, name: str = "config.yaml") -
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # one temporary name per process: two runs of one project (ablations side by side) share run_config.yaml
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     tmp.replace(path)
     return path

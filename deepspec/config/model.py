@@ -52,6 +52,12 @@ class ModelConfig:
     # target layer k+i) with fc passing the deepest tap through, instead of random weights: the draft begins as
     # "the target's next layer over its deepest tap", a prior that small caches cannot teach. null = random init.
     init_from_target_layer: int | None = None
+    # EAGLE-3: start the first layer's attention as a copy (induction) head instead of random weights. Needs the
+    # embeddings as a tap (-1 in target_layer_ids): each row's key is its own token (that tap, passed through fc),
+    # each query the row's input token, each value the row's input token, so a row attends to the earlier
+    # positions that hold its token and predicts what followed there. Greedy answers of small targets loop; a
+    # one-layer draft learns this copy far too slowly from a small cache (README). Training starts from it.
+    init_copy_heads: bool = False
     # DFlash / DSpark
     block_size: int = 7
     num_anchors: int = 512

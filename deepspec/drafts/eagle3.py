@@ -101,6 +101,63 @@ class Eagle3Draft(TargetBackedDraft):
                             "model.init_from_target_layer needs the draft sized like the target (drop the size overrides)."
                         )
 
+    @torch.no_grad()
+    def init_copy_heads(self, match_scale: float = 3.0, copy_scale: float = 8.0) -> None:
+        """model.init_copy_heads: start the first layer's attention as copy (induction) heads.
+
+        Why: greedy answers of small targets fall into loops, where the next tokens are a copy of what
+        followed the same token earlier. A one-layer draft can copy in one attention hop — row s's key is
+        its own token x_s (the embeddings tap, passed through fc), row t's query its input token x_{t+1},
+        row s's value its input token x_{s+1} — but it learns that circuit far too slowly from a small
+        cache (README ablations). So we write it in: keys and queries compare the top principal components
+        of the (RMS-normed, whitened) draft-vocabulary embeddings in the low-frequency RoPE dimensions,
+        where rotation barely depends on distance; each KV head's value carries its own slice of
+        components and its first query head writes them back into the residual, where the frozen
+        (tied) LM head reads the copied token. The other weights keep their random init, scaled down so
+        the copy dominates at first; training takes it from there. Weights only: vLLM serves it unchanged.
+        """
+        if -1 not in self.taps:
+            raise ConfigError("model.init_copy_heads needs the embeddings as a tap: add -1 to model.target_layer_ids (e.g. [-1, 1, 14, 26]).")
+        if self.fc_norm is None:
+            raise ConfigError("model.init_copy_heads needs model.fc_norm=true (each tap normed before fc).")
+        h, ht = self.arch.hidden_size, self.arch.target_hidden_size
+        if h != ht:
+            raise ConfigError(f"model.init_copy_heads needs the draft hidden size to equal the target's ({ht}), got {h}; drop model.hidden_size.")
+        att = self.midlayer.self_attn
+        nh, nkv, hd = att.num_heads, att.num_kv_heads, att.head_dim
+        emb = self.target_embed[self.draft_target_ids()].float()
+        normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        mean = normed.mean(0)
+        unit = mean / mean.norm()
+        centred = normed - mean
+        centred = centred - (centred @ unit)[:, None] * unit[None]  # the shared direction tells tokens apart least
+        _, sv, basis = torch.linalg.svd(centred, full_matrices=False)
+        std = sv / centred.shape[0] ** 0.5
+        whiten = basis / std[:, None].clamp(min=1e-6)  # [components, H]: unit-variance coordinates
+        unwhiten = basis.T * std[None]  # [H, components]
+        half = hd // 2
+        low = [j for j in range(half) if j >= (5 * half) // 8]
+        low = low + [j + half for j in low]  # rotate-half pairs (j, j + hd/2) with the lowest frequencies
+        n_match = len(low)
+        if nkv * hd > whiten.shape[0]:
+            raise ConfigError(f"model.init_copy_heads: {nkv} KV heads x {hd} dims exceed the {whiten.shape[0]} embedding components.")
+        tap = self.taps.index(-1)
+        self.fc.weight.mul_(0.5)
+        self.fc.weight[:, tap * ht : (tap + 1) * ht] = torch.eye(h, dtype=self.fc.weight.dtype)
+        per = nh // nkv
+        for g in range(nkv):
+            rows = slice(g * hd, (g + 1) * hd)
+            att.k_proj.weight[rows] = 0
+            att.k_proj.weight[rows][low, h:] = match_scale * whiten[:n_match].to(att.k_proj.weight.dtype)
+            att.v_proj.weight[rows] = 0
+            att.v_proj.weight[rows][:, :h] = whiten[g * hd : (g + 1) * hd].to(att.v_proj.weight.dtype)
+            q = g * per
+            att.q_proj.weight[q * hd : (q + 1) * hd] = 0
+            att.q_proj.weight[q * hd : (q + 1) * hd][low, :h] = match_scale * whiten[:n_match].to(att.q_proj.weight.dtype)
+            att.o_proj.weight[:, q * hd : (q + 1) * hd] = copy_scale * unwhiten[:, g * hd : (g + 1) * hd].to(att.o_proj.weight.dtype)
+            att.o_proj.weight[:, (q + 1) * hd : (q + per) * hd] *= 0.1
+        self.midlayer.mlp.down_proj.weight.mul_(0.1)
+
     def draft_target_ids(self) -> torch.Tensor:
         return target_ids_of_draft_vocab(self.d2t)
 

@@ -113,6 +113,8 @@ def _eagle3(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     cfg.update(
         architectures=["Eagle3Qwen3ForCausalLM" if qwen else "LlamaForCausalLMEagle3"],
         eagle_aux_hidden_state_layer_ids=to_vllm_aux_ids(draft.taps),
+        # vLLM's drafter sizes fc from this (or from eagle_config), else assumes 3 taps
+        num_aux_hidden_states=len(draft.taps),
         draft_vocab_size=draft.draft_vocab_size,
         fc_norm=bool(mcfg["fc_norm"]),
         norm_output=bool(mcfg["norm_output"]),

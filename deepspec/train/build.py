@@ -103,6 +103,10 @@ def build_parts(cfg, info):
     if counts is not None:
         counts = counts() if callable(counts) else counts
         model.set_token_frequencies(torch.as_tensor(counts))
+    if cfg.model.init_copy_heads:
+        if not hasattr(model, "init_copy_heads"):
+            raise ConfigError(f"model.init_copy_heads is an EAGLE-3 option; {cfg.model.algorithm} does not support it (set it to false).")
+        model.init_copy_heads()  # after the draft vocabulary: the heads are built from its embeddings
     manifest = getattr(train_data, "manifest", None) or {}
     provenance = {k: manifest[k] for k in ("target", "target_revision", "taps", "template_hash", "data_hash", "chat_template_kwargs") if k in manifest}
     provenance.setdefault("target", cfg.target.name)
