@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _draft_on_cache import input_error, load_draft_and_cache  # noqa: E402
 
 
 def main() -> int:
@@ -45,28 +47,19 @@ def main() -> int:
         print(json.dumps({"error": f"--depth must be >= 1, got {args.depth}"}))
         return 2
     cache_dir, ckpt = Path(args.cache), Path(args.checkpoint)
-    for path, what in ((cache_dir / "manifest.json", "a cache (run `deepspec data cache` or the quickstart first)"),
-                       (ckpt / "config.json", "a draft checkpoint (step_N folder)")):
-        if not path.is_file():
-            print(json.dumps({"error": f"{path.parent} is not {what}"}))
-            return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if (error := input_error(ckpt, cache_dir)) is not None:
+        print(json.dumps({"error": error}))
+        return 2
     import torch
 
-    from deepspec.data.cache.reader import CacheDataset
-    from deepspec.drafts.checkpoint import load_draft
-    from deepspec.targets import load_target
     from deepspec.train.batches import collate_features
 
     t0 = time.perf_counter()
-    data = CacheDataset(cache_dir)
-    man = data.manifest
-    target = load_target(man["target"], dtype=man.get("target_dtype", "float32"), device="cpu")
+    data, target, draft = load_draft_and_cache(ckpt, cache_dir)
     n = len(data) if args.max_samples is None else min(len(data), args.max_samples)
 
     # validation: the trainer's own metric, under the precision the run trained with (bf16 autocast
     # where train.precision resolved to bf16 on this machine)
-    draft = load_draft(ckpt, target.model).eval()
     autocast = contextlib.nullcontext
     if (ckpt / "config.yaml").is_file():
         from deepspec.config import load_config

@@ -123,3 +123,16 @@ def test_resolve_target_name(smollm2_dir, tiny_llama_dir):
     other = {"provenance": {"target": "org/not-local", "target_path": str(tiny_llama_dir)}}
     assert resolve_target_name(load_config(None, []), other) == str(tiny_llama_dir)
     assert resolve_target_name(load_config(None, [f"target.name={tiny_llama_dir}"]), meta) == str(tiny_llama_dir)
+
+
+def test_task_max_samples_caps_one_task_and_refuses_unknown_names(datasets_dir, tmp_path):
+    from deepspec.errors import ConfigError
+    from deepspec.eval.runner import build_work
+
+    items, info = build_work(_cfg(datasets_dir, tmp_path, "eval.max_samples=2", "eval.task_max_samples={gsm8k: 1}"))
+    assert info["gsm8k"]["samples"] == 1 and info["mt-bench"]["samples"] == 1
+    assert sum(item.task == "gsm8k" for item in items) == 1
+    items, info = build_work(_cfg(datasets_dir, tmp_path, "eval.max_samples=2"))
+    assert info["gsm8k"]["samples"] == 2
+    with pytest.raises(ConfigError, match="held_out"):
+        build_work(_cfg(datasets_dir, tmp_path, "eval.task_max_samples={held_out: 24}"))

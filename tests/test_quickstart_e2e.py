@@ -38,7 +38,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert len(ids) == len(set(ids)) > 0
     for split in ("train", "heldout"):
         manifest = json.loads((out / "quickstart" / "cache" / split / "manifest.json").read_text())
-        assert manifest["taps"] == [1, 14, 26]
+        assert manifest["taps"] == [-1, 1, 14, 26]  # the embeddings feed the copy heads' keys
     (run_dir,) = (ckpts / "quickstart").glob("eagle3*")  # the run name records the overrides
     step = run_dir / "step_30"
     assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
@@ -51,7 +51,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert engine["engine_drafts"] > 0
     assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
     export = eval_dir / "export-vllm" / "config.json"  # engine-backed eval exports next to its results
-    assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 2, 15, 27]
     summary = (out / "quickstart" / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
 
@@ -65,3 +65,15 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     figures = json.loads(replay.stdout.strip().splitlines()[-1])
     assert figures["rows"] > 50 and figures["depth"] == figures["val_depths"] == 3
     assert abs(figures["replay_greedy_tau"] - figures["val_greedy_tau"]) < 0.02, figures
+
+    # the copy benchmark runs on the same checkpoint, trained and with the copy heads alone (model.init_copy_heads)
+    for extra in ([], ["--reinit-copy-heads"]):
+        copy = subprocess.run(
+            [sys.executable, "benchmarks/bench_copy.py", str(step), "--cache", str(out / "quickstart" / "cache" / "heldout"), *extra],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert copy.returncode == 0, copy.stderr[-4000:]
+        figures = json.loads(copy.stdout.strip().splitlines()[-1])
+        assert figures["positions"] > 50 and figures["untrained_copy_heads"] == bool(extra)
+        if figures["loop_share"] > 0:  # a loop position is one the lookup gets right on the data
+            assert figures["loop_lookup_top1"] >= 0.9, figures

@@ -50,7 +50,7 @@ output_root: {root}/out
 target: {{name: {tiny_llama_dir}}}
 data: {{dir: {data}}}
 cache: {{max_length: 128}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false}}  # copy heads need tap -1
 train:
   output_root: {root}/ckpt
   optimizer: adamw       # the quickstart's Muon needs whole matrices; these tests cover FSDP too

@@ -16,6 +16,8 @@ class EvalConfig:
     datasets_dir: str = "eval_datasets"
     # null = DeepSpec's per-benchmark caps (gsm8k 500, aime25 30, ...); larger files are shuffled with `seed`, then cut.
     max_samples: int | None = None
+    # Per-task caps that win over max_samples, e.g. {heldout: 24}: every held-out prompt, a few of each benchmark.
+    task_max_samples: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 2048
     temperature: float = 0.0
     num_draft_tokens: int = 7
@@ -46,6 +48,9 @@ class EvalConfig:
             raise ConfigError(f"eval.num_workers must be >= 0 (0 = auto), got {self.num_workers}.")
         if self.max_samples is not None and self.max_samples < 1:
             raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}.")
+        bad = {task: n for task, n in self.task_max_samples.items() if not isinstance(n, int) or n < 1}
+        if bad:
+            raise ConfigError(f"eval.task_max_samples needs a count >= 1 per task, got {bad}.")
 
 
 @dataclass

@@ -96,16 +96,18 @@ def build_work(cfg) -> tuple[list[WorkItem], dict[str, dict]]:
     """All samples of all requested benchmarks, and per-task info (file, rows, skipped reason)."""
     from deepspec.eval.benchmarks import ALL_TASKS, HELDOUT_TASK, load_benchmark, load_heldout
 
-    unknown = [t for t in cfg.eval.tasks if t not in ALL_TASKS and t != HELDOUT_TASK]
-    if unknown:
-        raise ConfigError(f"Unknown eval task(s) {unknown} in eval.tasks; choose from {', '.join(ALL_TASKS)}, {HELDOUT_TASK}.")
+    for key, names in (("eval.tasks", cfg.eval.tasks), ("eval.task_max_samples", list(cfg.eval.task_max_samples))):
+        unknown = [t for t in names if t not in ALL_TASKS and t != HELDOUT_TASK]
+        if unknown:
+            raise ConfigError(f"Unknown eval task(s) {unknown} in {key}; choose from {', '.join(ALL_TASKS)}, {HELDOUT_TASK}.")
     items: list[WorkItem] = []
     info: dict[str, dict] = {}
     for task in cfg.eval.tasks:
+        cap = cfg.eval.task_max_samples.get(task, cfg.eval.max_samples)
         if task == HELDOUT_TASK:
-            bench = load_heldout(cfg.heldout_path, cfg.eval.max_samples, cfg.eval.seed)
+            bench = load_heldout(cfg.heldout_path, cap, cfg.eval.seed)
         else:
-            bench = load_benchmark(task, cfg.eval.datasets_dir, cfg.eval.max_samples, cfg.eval.seed)
+            bench = load_benchmark(task, cfg.eval.datasets_dir, cap, cfg.eval.seed)
         if bench is None:
             info[task] = {"skipped": f"{task}.jsonl not found in {cfg.eval.datasets_dir}; build it with `python eval_datasets/build.py --online`"}
             continue
