@@ -54,6 +54,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 2, 15, 27]
     summary = (out / "quickstart" / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
+    assert "served by vLLM: mean acceptance length per benchmark" in summary  # the held-out figure, not only overall
 
     # decoding sees what validation measured: the proposer replaying the held-out cache gets the
     # validation greedy tau (bf16 rounding aside) — an alignment slip between the two would split them
