@@ -339,11 +339,13 @@ def test_init_from_target_layer_starts_as_the_next_target_layer(family, tmp_path
         load_target_layer(str(tmp_path), 99)
 
 
-def test_init_copy_heads_copies_a_repeated_span_before_any_training():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_init_copy_heads_copies_a_repeated_span_before_any_training(family):
     """The written-in induction heads: on a span seen before, row t (input token x_{t+1}) predicts the token
-    that followed x_{t+1} the first time, with no training; random init does not."""
+    that followed x_{t+1} the first time, with no training; random init does not. Qwen3 checks the q/k-norm path
+    (tied here: a tiny random untied head has rows unrelated to its embeddings, which no 32-wide value can map)."""
     torch.manual_seed(0)
-    model, _ = tiny_target("llama")
+    model, _ = tiny_target(family, tie_word_embeddings=True)
     span = torch.randperm(250, generator=torch.Generator().manual_seed(3))[:24]
     ids = torch.cat([span, span])[None]
 

@@ -113,8 +113,10 @@ class Eagle3Draft(TargetBackedDraft):
         of the (RMS-normed, whitened) draft-vocabulary embeddings in the low-frequency RoPE dimensions,
         where rotation barely depends on distance; each KV head's value carries its own slice of
         components and its first query head writes them back into the residual, where the frozen
-        (tied) LM head reads the copied token. The other weights keep their random init, scaled down so
-        the copy dominates at first; training takes it from there. Weights only: vLLM serves it unchanged.
+        (tied) LM head reads the copied token; an untied head gets a least-squares map from the components
+        to its rows instead (not measured on a real untied target). The other weights keep their random init,
+        scaled down so the copy dominates at first; training takes it from there. Weights only: vLLM serves it
+        unchanged. Tuned on SmolLM2 (match/copy scales, the RoPE band) with a handful of probes.
         """
         if -1 not in self.taps:
             raise ConfigError("model.init_copy_heads needs the embeddings as a tap: add -1 to model.target_layer_ids (e.g. [-1, 1, 14, 26]).")
@@ -144,17 +146,26 @@ class Eagle3Draft(TargetBackedDraft):
         tap = self.taps.index(-1)
         self.fc.weight.mul_(0.5)
         self.fc.weight[:, tap * ht : (tap + 1) * ht] = torch.eye(h, dtype=self.fc.weight.dtype)
+        # what o_proj writes for a copied token: with tied embeddings the LM head row is the embedding itself, so the
+        # components map straight back; an untied head gets the least-squares map from components to its rows
+        value_basis = whiten[: nkv * hd]
+        if torch.equal(self.target_embed, self.target_lm_head):
+            write_back = unwhiten[:, : nkv * hd]
+        else:
+            head_rows = self.target_lm_head[self.draft_target_ids()].float()
+            head_rows = head_rows * torch.rsqrt(head_rows.pow(2).mean(-1, keepdim=True) + 1e-6)
+            write_back = torch.linalg.lstsq(centred @ value_basis.T, head_rows).solution.T
         per = nh // nkv
         for g in range(nkv):
             rows = slice(g * hd, (g + 1) * hd)
             att.k_proj.weight[rows] = 0
             att.k_proj.weight[rows][low, h:] = match_scale * whiten[:n_match].to(att.k_proj.weight.dtype)
             att.v_proj.weight[rows] = 0
-            att.v_proj.weight[rows][:, :h] = whiten[g * hd : (g + 1) * hd].to(att.v_proj.weight.dtype)
+            att.v_proj.weight[rows][:, :h] = value_basis[g * hd : (g + 1) * hd].to(att.v_proj.weight.dtype)
             q = g * per
             att.q_proj.weight[q * hd : (q + 1) * hd] = 0
             att.q_proj.weight[q * hd : (q + 1) * hd][low, :h] = match_scale * whiten[:n_match].to(att.q_proj.weight.dtype)
-            att.o_proj.weight[:, q * hd : (q + 1) * hd] = copy_scale * unwhiten[:, g * hd : (g + 1) * hd].to(att.o_proj.weight.dtype)
+            att.o_proj.weight[:, q * hd : (q + 1) * hd] = copy_scale * write_back[:, g * hd : (g + 1) * hd].to(att.o_proj.weight.dtype)
             att.o_proj.weight[:, (q + 1) * hd : (q + per) * hd] *= 0.1
         self.midlayer.mlp.down_proj.weight.mul_(0.1)
 
