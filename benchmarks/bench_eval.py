@@ -67,6 +67,7 @@ def main() -> int:
             "eval.tasks=[" + ",".join(args.tasks) + "]", f"eval.max_samples={args.max_samples}",
             f"eval.max_new_tokens={args.max_new_tokens}", f"eval.temperature={args.temperature}",
             f"eval.output_dir={Path(tmp) / 'eval'}", "eval.num_workers=1",
+            "eval.measure_speedup=true",  # the point of this benchmark, whatever the checkpoint's recipe says
         ]
         if args.num_draft_tokens:
             opts.append(f"eval.num_draft_tokens={args.num_draft_tokens}")
