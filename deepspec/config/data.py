@@ -23,6 +23,14 @@ class PromptsConfig:
     first_turn_only: bool = False
     # Drop prompts whose system + user text is longer than this (keeps CPU recipes inside the context).
     max_prompt_chars: int | None = None
+    # A blend of sources (wins over source/files when set); each entry is a mapping:
+    #   {source: sharegpt | embedded | bfcl | codeio | PATH | HF id, files: [...], hf_split: train,
+    #    subset: [names] (meta.subset / category), count: N | weight: W, split: train | <held-out name>,
+    #    name: label}
+    # `weight` shares data.prompts.max_samples among the weighted train entries; `count` is exact.
+    # Entries with another split than `train` go to heldout.<split>.jsonl and their rows never reach
+    # training (held-out entries draw first). See docs/data.md.
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

