@@ -1,18 +1,28 @@
-"""Targets: tiny random models for both families, tap convention, the embedded SmolLM2."""
+"""Targets: a tiny random model per adapter family (dense, MoE, multi-stream), hook-captured taps golden-tested
+against HF output_hidden_states, the tap convention, unsupported architectures, the embedded SmolLM2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepspec.errors import ConfigError
+from deepspec.errors import ConfigError, DeepSpecError, TargetError
 from deepspec.targets import capture, default_taps, tiny_target, to_vllm_aux_ids, validate_taps
+from deepspec.targets.adapters import adapter_for
+from deepspec.targets.tiny import tiny_families
+
+ALL_FAMILIES = ["llama", "qwen3", "gemma3", "qwen3_moe", "mixtral", "deepseek_v4", "tiny_mhc"]
+MODEL_TYPES = {"gemma3": "gemma3_text", "tiny_mhc": "deepspec_tiny_mhc"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_built_in_family_has_a_tiny_target():
+    assert sorted(ALL_FAMILIES) == tiny_families()
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_tiny_targets_build_and_run(family):
     model, tok = tiny_target(family)
-    assert model.config.model_type == family
+    assert model.config.model_type == MODEL_TYPES.get(family, family)
     ids = tok.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     assert ids.shape[1] > 5
     logits = model(ids).logits
@@ -41,6 +51,68 @@ def test_tap_k_is_output_of_layer_k(family):
     # the final hidden is the normed last layer output, and the LM head of it gives HF's logits
     assert torch.allclose(final, model.model.norm(layer_out[len(model.model.layers) - 1]))
     assert torch.allclose(model.lm_head(final), model(ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_hook_taps_equal_hf_output_hidden_states(family):
+    """Golden, every family: hook-captured taps (padded batch) == HF output_hidden_states[k + 1]; the final
+    state == HF last_hidden_state; multi-stream families keep [S, H] per tap before reduction."""
+    model, _ = tiny_target(family)
+    S = adapter_for(model.config).hc_mult(model.config)
+    assert (S > 1) == (family in ("deepseek_v4", "tiny_mhc"))
+    ids = torch.randint(0, 256, (2, 13))
+    att = torch.ones(2, 13, dtype=torch.long)
+    att[1, 9:] = 0
+    taps = [-1, 0, 2]
+    with torch.no_grad():
+        ref = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    H = model.config.hidden_size
+    for reduction in ("mean", "concat"):
+        feats, final = capture(model, ids, taps, attention_mask=att, reduction=reduction)
+        width = H * S if reduction == "concat" else H
+        assert feats.shape == (2, 13, len(taps), width)
+        for j, k in enumerate(taps):
+            want = ref.hidden_states[k + 1]
+            if S > 1:
+                want = want.mean(-2) if reduction == "mean" else want.flatten(-2)
+            assert torch.allclose(feats[:, :, j], want, atol=1e-6), (family, reduction, k)
+        assert torch.allclose(final, ref.last_hidden_state, atol=1e-6)
+
+
+def test_unsupported_architecture_names_what_to_implement():
+    from transformers import GPT2Config
+
+    with pytest.raises(TargetError) as e:
+        adapter_for(GPT2Config(n_layer=2))
+    msg = str(e.value)
+    assert isinstance(e.value, DeepSpecError)
+    assert "gpt2" in msg and "deepspec/targets/adapters/<family>.py" in msg
+    for piece in ("embeddings", "decoder layers", "final norm + LM head", "chat template"):
+        assert piece in msg
+
+
+def test_unsupported_architecture_is_refused_at_load(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from deepspec.targets import load_target
+    from deepspec.targets.tiny import tiny_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(TargetError, match="GPT2LMHeadModel"):
+        load_target(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral", "tiny_mhc"])
+def test_saved_tiny_target_loads_by_path(family, tmp_path):
+    from deepspec.targets import load_target, save_tiny_target
+
+    folder = save_tiny_target(tmp_path / family, family)
+    target = load_target(str(folder), device="cpu", dtype="float32")
+    ref, _ = tiny_target(family)
+    ids = torch.randint(0, 256, (1, 7))
+    assert torch.allclose(target.model(ids).logits, ref(ids).logits, atol=1e-5)
+    assert target.tokenizer.chat_template
 
 
 def test_tap_validation_and_translation():

@@ -21,7 +21,13 @@ class TargetConfig:
     # Passed to the chat template everywhere (regeneration, cache, eval), e.g. enable_thinking: false.
     chat_template_kwargs: dict[str, Any] = field(default_factory=lambda: {"enable_thinking": False})
     trust_remote_code: bool = False
+    # Sharded loading of the HF target (cache capture, online training, eval): null = the whole model on one
+    # device; "auto" = spread over every visible GPU then CPU RAM (accelerate), for targets larger than one GPU.
+    # DeepSeek-V4 / Qwen3-MoE-sized targets: prefer cache.capture_backend=vllm with tensor/expert parallelism.
+    device_map: str | None = None
 
     def validate(self) -> None:
         if not self.name:
             raise ConfigError("target.name is empty; set it to an HF model id, a local path or 'smollm2-135m-instruct'.")
+        if self.device_map not in (None, "auto", "balanced", "balanced_low_0", "sequential"):
+            raise ConfigError(f"target.device_map={self.device_map!r} is not one of null, auto, balanced, balanced_low_0, sequential.")

@@ -15,17 +15,35 @@ log = get_logger(__name__)
 
 
 def resolve_target_path(name: str) -> str:
-    """Embedded name -> converted folder; local folder -> absolute path; anything else is an HF id."""
+    """Embedded name -> converted folder; `tiny-mhc` -> its built folder; local folder -> absolute path;
+    anything else is an HF id."""
     if is_embedded(name):
         return str(embedded_target_dir(name))
+    if name == "tiny-mhc":
+        from deepspec.targets.tiny_mhc import tiny_mhc_dir
+
+        return str(tiny_mhc_dir())
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
             raise TargetError(f"Target folder {p} has no config.json; point target.name at a Hugging Face model folder.")
+        _register_local_model_type(p)
         return str(p.resolve())
     if name.startswith((".", "/", "~")):
         raise TargetError(f"Target path {name} does not exist; check target.name.")
     return name
+
+
+def _register_local_model_type(folder: Path) -> None:
+    """deepspec's own model types (tiny-mhc) register with transformers on import; do it before AutoConfig reads one."""
+    import json
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return
+    if model_type == "deepspec_tiny_mhc":
+        import deepspec.targets.tiny_mhc  # noqa: F401
 
 
 def default_device() -> str:
@@ -92,6 +110,7 @@ class Target:
             "target_architecture": (cfg.architectures or [type(self.model).__name__])[0],
             "target_num_layers": cfg.num_hidden_layers,
             "target_hidden_size": cfg.hidden_size,
+            "target_hc_mult": int(getattr(cfg, "hc_mult", None) or 1),
             "target_vocab_size": cfg.vocab_size,
             "template_hash": self.template_hash,
         }
@@ -115,23 +134,38 @@ def load_target(
     device: str | None = None,
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
+    device_map: str | dict[str, Any] | None = None,
 ) -> Target:
-    """Load a frozen target model and its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Load a frozen target model and its tokenizer.
+
+    `device_map` (e.g. "auto") shards the weights over every visible GPU (and CPU RAM past them) through
+    accelerate, for targets too large for one device; the model is then left where it was placed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deepspec.targets.adapters import adapter_for
 
     device = device or default_device()
     path = resolve_target_path(name)
+    try:
+        adapter_for(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError) as e:
+        raise TargetError(f"Could not read the config of target '{name}' ({e}); check target.name (HF id or local folder).") from None
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "revision": revision, "trust_remote_code": trust_remote_code}
     if attn_implementation != "auto":
         kwargs["attn_implementation"] = attn_implementation
     elif device.startswith("cuda"):
         kwargs["attn_implementation"] = "sdpa"
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise TargetError(f"Could not load target '{name}' ({e}); check target.name (HF id or local folder) and network access.") from None
-    model.to(device).eval().requires_grad_(False)
+    except ImportError as e:
+        raise TargetError(f"Loading target '{name}' with target.device_map={device_map!r} needs accelerate ({e}); pip install accelerate.") from None
+    if device_map is None:
+        model.to(device)
+    model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(name, revision, trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -144,6 +178,7 @@ def load_target_from_config(tcfg, device: str | None = None) -> Target:
     return load_target(
         tcfg.name, revision=tcfg.revision, dtype=tcfg.dtype, device=device,
         attn_implementation=tcfg.attn_implementation, trust_remote_code=tcfg.trust_remote_code,
+        device_map=getattr(tcfg, "device_map", None),
     )
 
 

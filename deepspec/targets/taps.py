@@ -5,6 +5,10 @@ deepspec convention: tap ``k`` is the output of 0-based decoder layer ``k`` — 
 The last decoder layer cannot be tapped this way: HF's last entry is *after* the final norm
 (vLLM's is before it), so the two engines would disagree; we refuse it.
 
+Multi-stream (hyper-connection) targets carry the residual as S = hc_mult streams, so a tap is
+[T, S, H]; ``model.tap_reduction`` says what the draft reads: ``mean`` (width H) or ``concat`` (S*H).
+Single-stream targets have S = 1, where both reductions are the identity.
+
 Engines count differently; translate only here:
   * vLLM ``eagle_aux_hidden_state_layer_ids`` / speculators ``aux_hidden_state_layer_ids`` = k + 1
   * z-lab DFlash ``dflash_config.target_layer_ids`` = k (our convention)
@@ -62,26 +66,77 @@ def to_dflash_layer_ids(taps: Sequence[int]) -> list[int]:
     return list(taps)
 
 
-def select_taps(hidden_states: Sequence["torch.Tensor"], taps: Sequence[int]) -> "torch.Tensor":
-    """Stack HF `output_hidden_states` entries for `taps`: returns [B, T, n_taps, H]."""
+TAP_REDUCTIONS = ("mean", "concat")
+
+
+def tap_width(hidden_size: int, hc_mult: int, reduction: str) -> int:
+    """Width of one reduced tap: H for `mean` (or a single stream), S*H for `concat`."""
+    if reduction not in TAP_REDUCTIONS:
+        raise ConfigError(f"model.tap_reduction={reduction!r} is not one of {', '.join(TAP_REDUCTIONS)}.")
+    return hidden_size * hc_mult if reduction == "concat" else hidden_size
+
+
+def reduce_streams(x: "torch.Tensor", reduction: str) -> "torch.Tensor":
+    """[..., S, H] -> [..., H] (mean over streams) or [..., S*H] (streams concatenated, stream-major)."""
+    if reduction == "mean":
+        return x.mean(dim=-2)
+    if reduction == "concat":
+        return x.flatten(-2)
+    raise ConfigError(f"model.tap_reduction={reduction!r} is not one of {', '.join(TAP_REDUCTIONS)}.")
+
+
+def select_taps(hidden_states: Sequence["torch.Tensor"], taps: Sequence[int], reduction: str = "mean") -> "torch.Tensor":
+    """Stack HF `output_hidden_states` entries for `taps`: returns [B, T, n_taps, W].
+
+    Entries are [B, T, H] (W = H) or, for multi-stream targets, [B, T, S, H] (reduced to W by `reduction`)."""
     import torch
 
-    return torch.stack([hidden_states[k + 1] for k in taps], dim=2)
+    out = torch.stack([hidden_states[k + 1] for k in taps], dim=2)
+    return reduce_streams(out, reduction) if out.dim() == 5 else out
 
 
-def capture(model, input_ids: "torch.Tensor", taps: Sequence[int], attention_mask: "torch.Tensor | None" = None):
-    """Run the target once; return (taps [B, T, n_taps, H], final normed hidden [B, T, H]).
+def capture(model, input_ids: "torch.Tensor", taps: Sequence[int], attention_mask: "torch.Tensor | None" = None,
+            reduction: str = "mean"):
+    """Run the target once; return (taps [B, T, n_taps, W], final normed hidden [B, T, H]).
 
+    Taps are caught by forward hooks on the tapped decoder layers (and the embeddings for -1) that the
+    family's adapter names, so only the needed states are kept — never every layer's. A multi-stream
+    target's taps [B, T, S, H] are reduced to W (H or S*H) by `reduction`; its embeddings tap is the
+    embeddings copied into every stream, as the model's first layer reads them.
     The final normed hidden state is what the frozen LM head maps to logits, so target
     distributions can be recomputed later without storing logits.
     """
     import torch
 
-    num_layers = model.config.num_hidden_layers
+    from deepspec.targets.adapters import adapter_for, text_config
+
+    adapter = adapter_for(model.config)
+    num_layers = text_config(model.config).num_hidden_layers
     validate_taps(taps, num_layers)
-    with torch.no_grad():
-        out = model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states
-    if len(hs) != num_layers + 1:
-        raise RuntimeError(f"expected {num_layers + 1} hidden states from the target, got {len(hs)}")
-    return select_taps(hs, taps), out.last_hidden_state
+    streams = adapter.hc_mult(model.config)
+    grabbed: dict[int, torch.Tensor] = {}
+
+    def keep(k: int):
+        def hook(_module, _args, output):
+            grabbed[k] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    layers = adapter.get_layers(model)
+    hooks = [(adapter.get_embeddings(model) if k < 0 else layers[k]).register_forward_hook(keep(k)) for k in taps]
+    try:
+        with torch.no_grad():
+            out = adapter.get_decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    device = out.last_hidden_state.device
+    states = []
+    for k in taps:
+        h = grabbed[k].to(device)
+        if streams > 1 and h.dim() == 3:  # embeddings: the same vector enters every stream
+            h = h.unsqueeze(2).expand(*h.shape[:2], streams, h.shape[-1])
+        states.append(h)
+    stacked = torch.stack(states, dim=2)
+    if stacked.dim() == 5:
+        stacked = reduce_streams(stacked, reduction)
+    return stacked, out.last_hidden_state

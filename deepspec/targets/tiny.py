@@ -1,4 +1,4 @@
-"""Tiny randomly initialised targets for tests: Llama and Qwen3, built in-process (no downloads).
+"""Tiny randomly initialised targets for tests, one per adapter family, built in-process (no downloads).
 
 The tokenizer is byte-level (256 byte tokens + ChatML specials) with a ChatML chat template,
 so chat rendering, offsets and loss masks behave like a real model's. The model vocabulary is
@@ -38,31 +38,21 @@ def tiny_tokenizer():
     return fast
 
 
-def tiny_config(family: str = "llama", **overrides: Any):
-    """A small config of the given family (`llama` or `qwen3`); overrides set any field."""
-    from transformers import LlamaConfig, Qwen3Config
+def tiny_families() -> list[str]:
+    """Families with a tiny config: one per built-in adapter (llama, qwen3, gemma3, qwen3_moe, mixtral, tiny_mhc)."""
+    from deepspec.targets.adapters import families
 
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=258,  # <|im_end|>
-        pad_token_id=256,
-        tie_word_embeddings=family == "llama",
-    )
-    common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen3":
-        return Qwen3Config(**common)
-    raise ValueError(f"unknown tiny family {family!r}; use 'llama' or 'qwen3'")
+    return sorted(f for f, a in families().items() if a.tiny_config is not None)
+
+
+def tiny_config(family: str = "llama", **overrides: Any):
+    """A small config of the given family (see `tiny_families`); overrides set any field."""
+    from deepspec.targets.adapters import families
+
+    adapter = families().get(family)
+    if adapter is None or adapter.tiny_config is None:
+        raise ValueError(f"unknown tiny family {family!r}; use one of {', '.join(tiny_families())}")
+    return adapter.tiny_config(**overrides)
 
 
 def tiny_target(family: str = "llama", seed: int = 0, **overrides: Any):
