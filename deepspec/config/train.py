@@ -11,10 +11,13 @@ from deepspec.errors import ConfigError
 @dataclass
 class TrainConfig:
     output_root: str = "checkpoints"
-    # `muon`: Muon for 2-D hidden weight matrices, AdamW for everything else (as DFlash recipes do).
+    # `muon`: Muon for the 2-D hidden weight matrices of the draft body (attention, MLP, fc), AdamW for
+    # everything else: output heads, Markov/confidence heads, embeddings, norms, biases (as DFlash recipes do).
     optimizer: Literal["adamw", "muon"] = "adamw"
+    # AdamW's learning rate (with muon: the heads', norms' and biases').
     lr: float = 6e-4
-    # Muon's learning rate; null = `lr` (Muon's update is RMS-matched to AdamW's, so one lr fits both).
+    # Muon's learning rate for the body matrices, with Muon's original shape scaling (the DFlash recipe's
+    # "muon_lr 0.02, lr 6e-4"); null = `lr` for both, Muon's update RMS-matched to AdamW's.
     muon_lr: float | None = None
     muon_momentum: float = 0.95
     weight_decay: float = 0.0
