@@ -334,6 +334,11 @@ def test_sigkill_then_rerun_resumes_exactly(recipe, reference):
     ref, got = _losses(reference), _losses(run_dir)
     for s in (5, 6):
         assert got[s] == pytest.approx(ref[s], abs=1e-6), (s, got, ref)
+    # step 5 ran twice (killed after it, resumed from step 4) but is logged once: the log was cut back to step 4
+    logged = [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, STEPS + 1)), logged
+    val_steps = [json.loads(line)["step"] for line in (run_dir / "val_log.jsonl").read_text().splitlines()]
+    assert val_steps == [3, 6], val_steps
     assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(run_dir / f"step_{STEPS}")) < 1e-5
     # keep_last=2 plus the best checkpoint; only complete step dirs remain
     from deepspec.train.checkpoint import list_steps, read_best
@@ -523,3 +528,118 @@ def test_cpu_workers_share_the_usable_cores(monkeypatch):
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert [launcher.cpu_threads_per_worker(n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]
+
+
+# ----------------------------------------------------------------------------- optimizer groups, loss weights, logs
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dspark"])
+def test_muon_takes_body_matrices_and_adamw_heads_embeddings_and_vectors(algorithm):
+    """Muon only on the draft body's attention / MLP / fc matrices; a trainable lm_head, DSpark's Markov head (its
+    embedding table and markov_w2) and confidence head, norms and biases go to AdamW. muon_lr 0.02 + lr 6e-4 means
+    what the DFlash recipe means: the matrices at 0.02 (Muon's original shape scaling), everything else at 6e-4."""
+    import re
+
+    from deepspec.config.model import ModelConfig
+    from deepspec.config.train import TrainConfig
+    from deepspec.drafts import get_algorithm
+    from deepspec.targets.tiny import tiny_config
+    from deepspec.train.muon import Muon
+    from deepspec.train.optim import build_optimizer, describe_param_groups, split_muon_params
+    from deepspec.train.parallel import LossModule
+
+    mcfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], block_size=4, num_anchors=3, markov_rank=8,
+                       enable_confidence_head=True)
+    draft = get_algorithm(algorithm).from_target_config(tiny_config("qwen3"), mcfg)
+    wrapped = LossModule(draft)
+    muon, adam = split_muon_params(wrapped)
+    muon_names, adam_names = {n for n, _ in muon}, {n for n, _ in adam}
+    body = re.compile(r"^(fc|(midlayer|layers\.\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
+    assert muon_names and all(body.match(n) for n in muon_names), muon_names
+    assert "fc.weight" in muon_names
+    assert all(p.ndim < 2 for n, p in adam if not re.search(r"lm_head|markov_head|confidence_head", n)), adam_names
+    if algorithm == "eagle3":
+        assert "lm_head.weight" in adam_names
+    else:
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= adam_names
+        assert any(n.startswith("confidence_head.") and p.ndim == 2 for n, p in adam)
+    trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert muon_names | adam_names == trainable and not muon_names & adam_names
+
+    opt = build_optimizer(wrapped, TrainConfig(optimizer="muon", lr=6e-4, muon_lr=0.02))
+    muon_opt, adam_opt = opt.optimizers
+    assert isinstance(muon_opt, Muon) and isinstance(adam_opt, torch.optim.AdamW)
+    assert [(g["lr"], g["adjust_lr_fn"]) for g in muon_opt.param_groups] == [(0.02, "original")]
+    assert all(g["lr"] == 6e-4 for g in adam_opt.param_groups)
+    assert sum(len(g["params"]) for g in muon_opt.param_groups) == len(muon)
+    # no muon_lr: one lr for both, Muon's update matched to AdamW's RMS
+    same = build_optimizer(wrapped, TrainConfig(optimizer="muon", lr=2e-3)).optimizers[0]
+    assert [(g["lr"], g["adjust_lr_fn"]) for g in same.param_groups] == [(2e-3, "match_rms_adamw")]
+    line = describe_param_groups(wrapped, TrainConfig(optimizer="muon", lr=6e-4, muon_lr=0.02))
+    assert "Muon lr 0.02" in line and "AdamW lr 0.0006" in line and "fc.weight" in line
+    assert ("lm_head.weight" if algorithm == "eagle3" else "markov_head.markov_w2.weight") in line.split("AdamW")[1]
+
+
+class _Scalar(torch.nn.Module):
+    """loss = (a * c)^2 for a micro-batch whose taps are all c; optionally weighted by the draft itself (c)."""
+
+    def __init__(self, own_weight: bool):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(1.0))
+        self.own_weight = own_weight
+
+    def loss(self, batch):
+        c = batch.taps[0, 0, 0, 0]
+        loss = (self.a * c) ** 2
+        metrics = {"c": (c.detach(), torch.tensor(1.0))}
+        if self.own_weight:
+            metrics["_loss_weight"] = (c.detach(), torch.tensor(1.0))
+        return loss, metrics
+
+
+def _scalar_run(tmp_path: Path, own_weight: bool) -> dict:
+    from deepspec.config import load_config
+    from deepspec.train import train
+    from deepspec.train.loop import TrainParts
+
+    # two samples: c = 1 with 6 supervised tokens, c = 3 with 2
+    data = [
+        {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool), "taps": torch.full((n, 1, 1), c),
+         "final_hidden": torch.zeros(n, 1)}
+        for n, c in ((6, 1.0), (2, 3.0))
+    ]
+
+    def write(directory: Path, weights) -> None:
+        from safetensors.torch import save_file
+
+        (directory / "config.json").write_text("{}")
+        save_file(weights, str(directory / "model.safetensors"))
+
+    cfg = load_config(REPO / "config/quickstart/eagle3.yaml", [
+        f"output_root={tmp_path}", f"train.output_root={tmp_path / 'ckpt'}", f"exp=w{int(own_weight)}",
+        "train.optimizer=adamw", "train.global_batch_size=2", "train.micro_batch_size=1", "train.max_steps=1",
+        "train.log_every=1", "train.grad_clip=0", "logging.wandb=false", "logging.tensorboard=false", "logging.progress=false",
+    ])
+    with _on_cpu():
+        train(cfg, TrainParts(model=_Scalar(own_weight), train_data=data, write_draft=write))
+    return json.loads((cfg.run_dir / "train_log.jsonl").read_text().splitlines()[0])
+
+
+def test_a_drafts_own_loss_weight_replaces_the_token_count(tmp_path):
+    """"_loss_weight" weights each micro-batch's mean loss in backward and in the global normalisation; without it
+    the weight is the micro-batch's supervised-token count. The reserved key is not logged."""
+    own = _scalar_run(tmp_path, True)  # weights c: (1*1 + 3*9) / 4 = 7; grad (1*2 + 3*18) / 4 = 14
+    assert own["train/loss"] == pytest.approx(7.0) and own["train/grad_norm"] == pytest.approx(14.0)
+    assert "train/_loss_weight" not in own and own["train/c"] == pytest.approx(2.0)
+    tokens = _scalar_run(tmp_path, False)  # weights 6 and 2: (6*1 + 2*9) / 8 = 3; grad (6*2 + 2*18) / 8 = 6
+    assert tokens["train/loss"] == pytest.approx(3.0) and tokens["train/grad_norm"] == pytest.approx(6.0)
+
+
+def test_truncate_jsonl_keeps_rows_up_to_the_checkpoint(tmp_path):
+    from deepspec.train.loop import truncate_jsonl
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4)))
+    truncate_jsonl(log, 2)
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2]
+    truncate_jsonl(tmp_path / "missing.jsonl", 2)  # nothing to cut

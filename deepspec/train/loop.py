@@ -7,6 +7,16 @@ weighted mean over the global batch whether it ran on 1 worker x 4 micro-batches
 Randomness inside a draft (e.g. anchor sampling) is reseeded per (seed, step, micro-batch position
 in the global batch), so a resumed run — on any worker count — replays exactly what the
 uninterrupted run would have done.
+
+A draft may weight its micro-batch itself: when `loss()` returns the reserved metric
+`"_loss_weight": (weight, 1)` (e.g. its own count of supervised positions after packing or anchor
+sampling), that weight replaces the micro-batch's supervised-token count, in backward and in the
+global normalisation alike.
+
+The loop never waits for the device inside a step: batches are staged to the GPU one ahead
+(deepspec/train/staging.py), losses, token counts and metrics accumulate on the device, the gradient
+scale is applied as a device tensor, and values come to the host only on logged steps (and for
+validation / checkpoints).
 """
 
 from __future__ import annotations
@@ -30,11 +40,14 @@ from deepspec.train import checkpoint as ckpt
 from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
-from deepspec.train.optim import build_optimizer, build_scheduler
+from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
 from deepspec.train.parallel import full_trainable_state, unwrap, wrap
+from deepspec.train.staging import DeviceStager, pin_batch
 from deepspec.train.validate import best_metric, run_validation
 
 log = get_logger(__name__)
+
+LOSS_WEIGHT_KEY = "_loss_weight"  # reserved metric: a draft's own weight for its micro-batch's mean loss
 
 # Fault injection (tests): rank 0 SIGKILLs itself right after finishing this step.
 _KILL_AFTER = int(os.environ["DEEPSPEC_TRAIN_KILL_AFTER_STEP"]) if os.environ.get("DEEPSPEC_TRAIN_KILL_AFTER_STEP") else None
@@ -104,6 +117,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     collate = collate_fn(parts.train_data)
     if tcfg.loss_tokens == "all":
         collate = supervise_all_tokens(collate)
+    if info.device.type == "cuda":
+        collate = pin_batch(collate)  # in the loader thread, so the copy to the GPU is an async DMA
 
     # ---------------------------------------------------------------- resume (weights before wrapping)
     start_step, state = 0, None
@@ -141,6 +156,10 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
 
     if info.is_main:
         save_config(cfg, run_dir)
+        # a run killed after its last checkpoint logged steps it will now redo: drop them
+        for name in ("train_log.jsonl", "val_log.jsonl"):
+            truncate_jsonl(run_dir / name, start_step)
+        log.info("%s", describe_param_groups(wrapped, tcfg))
         log.info(
             "training %s: %d steps (%d per epoch), global batch %d = %d workers x %d micro x %d accumulation, %s",
             type(model).__name__, total_steps, plan.steps_per_epoch, tcfg.global_batch_size, info.world,
@@ -176,7 +195,9 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         (s, m, idx) for s in range(start_step, total_steps) for m, idx in enumerate(plan.micro_batches(s, info.rank, lengths))
     )
     loader = Prefetcher(parts.train_data, collate, schedule, tcfg.num_workers)
+    staged = DeviceStager(loader, info.device, torch.float32)
     n_micro = plan.accum_steps
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
     try:
         while step < total_steps:
             local_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -185,10 +206,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             logged = (step + 1) % tcfg.log_every == 0 or step + 1 == total_steps or step == start_step
             model.train_metrics = logged  # metrics of unlogged steps are never read
             for m in range(n_micro):
-                s_, m_, batch = next(loader)
+                s_, m_, batch, n_tok, n_real = next(staged)  # counts read on the host before the copy
                 assert (s_, m_) == (step, m), "data loader out of order"  # internal invariant, not user input
-                n_tok, n_real = batch.num_loss_tokens, int(batch.attention_mask.sum())  # counted on the host
-                batch = batch.to(info.device, torch.float32)
                 torch.manual_seed(_step_seed(tcfg.seed, step, m * info.world + info.rank))
                 sync = m == n_micro - 1
                 ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
@@ -197,23 +216,26 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 with ctx:
                     with autocast():
                         loss, metrics = wrapped(batch)
-                    (loss.float() * n_tok).backward()
-                # accumulate on the device: one host sync per step, not per micro-batch and metric
-                loss_sum = loss_sum + loss.detach().double() * n_tok
-                local_tokens += n_tok
+                    weight = micro_batch_weight(metrics, n_tok)
+                    (loss.float() * weight).backward()
+                # accumulate on the device: no host sync per micro-batch or metric
+                weight = weight.detach().double() if isinstance(weight, torch.Tensor) else float(weight)
+                loss_sum = loss_sum + loss.detach().double() * weight
+                local_tokens += weight
                 tokens_seen += n_real
+                if not logged:
+                    continue
                 for k, (num, den) in metrics.items():
                     pair = torch.stack([num.detach().double().reshape(()), torch.as_tensor(den, device=num.device).double().reshape(())])
                     metric_sums[k] = metric_sums[k] + pair if k in metric_sums else pair
             # token-weighted mean over the global batch: DDP/FSDP averaged over `world`, undo and divide by N
             stats = torch.stack([local_tokens, loss_sum])
             all_reduce_sum(stats)
-            global_tokens, global_loss = float(stats[0]), float(stats[1])
-            scale = info.world / max(global_tokens, 1.0)
-            for p in wrapped.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+            scale = (info.world / stats[0].clamp(min=1.0)).float()  # stays on the device
+            grads = [p.grad for p in trainable if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             lr = scheduler.get_last_lr()[0]
@@ -222,18 +244,20 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
-            reduced = reduce_metrics(metric_sums, info.device)
-            elapsed = time.perf_counter() - t0
-            tok_rate = float(all_reduce_sum(torch.tensor(float(tokens_seen), device=info.device))) / max(elapsed, 1e-9)
-            row = {"train/loss": global_loss / max(global_tokens, 1.0), "train/lr": lr, "train/grad_norm": float(grad_norm),
-                   "train/tokens_per_s": tok_rate, "train/epoch": step / plan.steps_per_epoch}
-            row.update({f"train/{k}": v for k, v in reduced.items()})
-            if info.is_main:
-                if logged:
+            if logged:  # the only per-step host syncs, and only on logged steps
+                reduced = reduce_metrics(metric_sums, info.device)
+                elapsed = time.perf_counter() - t0
+                tok_rate = float(all_reduce_sum(torch.tensor(float(tokens_seen), device=info.device))) / max(elapsed, 1e-9)
+                global_tokens, global_loss = (float(x) for x in stats.cpu())
+                row = {"train/loss": global_loss / max(global_tokens, 1.0), "train/lr": lr, "train/grad_norm": float(grad_norm),
+                       "train/tokens_per_s": tok_rate, "train/epoch": step / plan.steps_per_epoch}
+                row.update({f"train/{k}": v for k, v in reduced.items()})
+                if info.is_main:
                     loggers.log(row, step)
                     _append_jsonl(run_dir / "train_log.jsonl", step, row)
+                    bar.set_postfix(format_postfix({"loss": row["train/loss"], "tok/s": tok_rate, "lr": lr}), refresh=False)
+            if info.is_main:
                 bar.update(1)
-                bar.set_postfix(format_postfix({"loss": row["train/loss"], "tok/s": tok_rate, "lr": lr}), refresh=False)
 
             val_metrics = None
             is_last = step == total_steps
@@ -244,9 +268,9 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                     _append_jsonl(run_dir / "val_log.jsonl", step, val_metrics)
             improved = False
             key, value = best_metric(val_metrics)
-            if info.is_main and value is not None and value > best_value:
-                improved = True
-            improved = bool(all_reduce_sum(torch.tensor(float(improved), device=info.device)) > 0)
+            if val_metrics is not None:  # every rank validated this step: agree on rank 0's verdict
+                improved = info.is_main and value is not None and value > best_value
+                improved = bool(all_reduce_sum(torch.tensor(float(improved), device=info.device)) > 0)
             if step % tcfg.save_every == 0 or is_last or improved:
                 save(step, val_metrics)
                 last_dir = run_dir / f"step_{step}"
@@ -263,6 +287,31 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     if last_dir is None:
         last_dir = ckpt.latest_step_dir(run_dir)
     return last_dir
+
+
+def micro_batch_weight(metrics: dict[str, Any], n_tok: int) -> torch.Tensor | int:
+    """The weight of a micro-batch's mean loss: the draft's reserved `_loss_weight` metric when it reports one
+    (popped, so it is not logged), else the batch's supervised-token count."""
+    pair = metrics.pop(LOSS_WEIGHT_KEY, None)
+    if pair is None:
+        return n_tok
+    weight = pair[0] if isinstance(pair, (tuple, list)) else pair
+    return weight.float().reshape(()) if isinstance(weight, torch.Tensor) else float(weight)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the rows of a step log up to `step` (atomically); rows after it belong to work a crash lost."""
+    import json
+
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    os.replace(tmp, path)
 
 
 def _append_jsonl(path: Path, step: int, row: dict[str, float]) -> None:

@@ -1,0 +1,81 @@
+"""Moving the next micro-batch to the accelerator while the current one trains.
+
+The Prefetcher's thread reads and collates ahead on the host; on CUDA it also pins the collated
+tensors (`pin_batch`), so the copy to the GPU is a DMA that runs on a side stream, one batch ahead,
+overlapping the current micro-batch's compute. The training stream waits for that copy with an event
+(no host sync) and the staged tensors are marked as used on it, so the allocator does not hand their
+memory back to the side stream early (pinned host blocks are likewise kept until their copy is done by
+torch's host allocator). On a CPU a batch is only cast, as before.
+
+The supervised-token and real-token counts are read on the host from the CPU copy, before any
+transfer, so the loop needs no device-to-host sync per micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    return [v for f in dataclasses.fields(batch) if isinstance(v := getattr(batch, f.name), torch.Tensor)]
+
+
+def pin_batch(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """Wrap a collate function so that its batch comes back in page-locked host memory (runs in the loader thread)."""
+
+    def pinned(items: list[Any]) -> Any:
+        batch = collate(items)
+        out = {}
+        for f in dataclasses.fields(batch):
+            v = getattr(batch, f.name)
+            out[f.name] = v.pin_memory() if isinstance(v, torch.Tensor) else v
+        return dataclasses.replace(batch, **out)
+
+    return pinned
+
+
+class DeviceStager:
+    """Iterates (step, micro index, batch on device, supervised tokens, real tokens), one batch staged ahead."""
+
+    def __init__(self, source: Iterator[tuple[int, int, Any]], device: torch.device, dtype: torch.dtype = torch.float32):
+        self.source, self.device, self.dtype = source, device, dtype
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._next: tuple | None = None
+        self._started = False
+
+    def _stage(self) -> None:
+        item = next(self.source, None)
+        if item is None:
+            self._next = None
+            return
+        step, m, batch = item
+        n_tok, n_real = batch.num_loss_tokens, int(batch.attention_mask.sum())  # host tensors: no device sync
+        if self.stream is None:
+            self._next = (step, m, batch.to(self.device, self.dtype), n_tok, n_real, None)
+            return
+        with torch.cuda.stream(self.stream):
+            staged = batch.to(self.device, self.dtype)  # non_blocking from pinned memory: an async DMA
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._next = (step, m, staged, n_tok, n_real, done)
+
+    def __iter__(self) -> "DeviceStager":
+        return self
+
+    def __next__(self) -> tuple[int, int, Any, int, int]:
+        if not self._started:
+            self._started = True
+            self._stage()
+        if self._next is None:
+            raise StopIteration
+        step, m, batch, n_tok, n_real, done = self._next
+        if done is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(done)
+            for t in _tensors(batch):
+                t.record_stream(main)
+        self._stage()  # the following batch's copy overlaps this one's compute
+        return step, m, batch, n_tok, n_real
