@@ -133,6 +133,17 @@ def resolve_taps(cfg, num_layers: int) -> list[int]:
     return validate_taps(taps, num_layers)
 
 
+def tap_rows(cfg, target_config) -> tuple[int, str, int]:
+    """(hc_mult, tap_reduction, stored rows of H per tap): a reduced tap of width W = H or S*H is stored as
+    W / H rows of H, so the record format is the same for every target (and fp8 scales stay per stream)."""
+    from deepspec.targets.adapters import adapter_for
+    from deepspec.targets.taps import tap_width
+
+    hc_mult = adapter_for(target_config).hc_mult(target_config)
+    reduction = cfg.model.tap_reduction
+    return hc_mult, reduction, tap_width(target_config.hidden_size, hc_mult, reduction) // target_config.hidden_size
+
+
 def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
     """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes."""
     from deepspec.targets import template_hash
@@ -143,7 +154,8 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
     cc = cfg.cache
     taps = resolve_taps(cfg, target_config.num_hidden_layers)
     hidden = target_config.hidden_size
-    n_layers = len(taps) + 1
+    hc_mult, reduction, rows = tap_rows(cfg, target_config)
+    n_layers = len(taps) * rows + 1
     samples: list[Sample] = []
     counts = dict(input=0, dropped_short=0, truncated=0, samples=0, tokens=0, loss_tokens=0)
     for offset, sid, messages in progress(iter_records(Path(src)), desc=f"tokenize {split}", unit="conv"):
@@ -182,6 +194,8 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),
         "taps": taps,
         "hidden_size": hidden,
+        "hc_mult": hc_mult,
+        "tap_reduction": reduction,
         "dtype": cc.dtype,
         "max_length": cc.max_length,
         "min_loss_tokens": cc.min_loss_tokens,
@@ -246,8 +260,9 @@ def _batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
     return out
 
 
-def sample_features(model, batch: list[Sample], taps: list[int]):
-    """Run the target on a right-padded batch: yields per-sample features [T, n_taps + 1, H] (float32)."""
+def sample_features(model, batch: list[Sample], taps: list[int], reduction: str = "mean"):
+    """Run the target on a right-padded batch: yields per-sample features [T, n_taps * rows + 1, H] (float32),
+    each tap reduced by `reduction` to W = rows * H and stored as its `rows` slices of H (rows = 1 unless concat)."""
     import torch
 
     from deepspec.targets import capture
@@ -261,8 +276,10 @@ def sample_features(model, batch: list[Sample], taps: list[int]):
         att[b, : len(s.input_ids)] = 1
     # No mask for a single sample: the exact computation HF does for an unpadded sequence.
     mask = att.to(device) if len(batch) > 1 else None
-    tap_h, final = capture(model, ids.to(device), taps, attention_mask=mask)
-    feats = torch.cat([tap_h, final.unsqueeze(2)], dim=2).float().cpu()
+    tap_h, final = capture(model, ids.to(device), taps, attention_mask=mask, reduction=reduction)
+    B, T, n, W = tap_h.shape
+    H = final.shape[-1]
+    feats = torch.cat([tap_h.reshape(B, T, n * W // H, H), final.unsqueeze(2)], dim=2).float().cpu()
     for b, s in enumerate(batch):
         yield s, feats[b, : len(s.input_ids)]
 
@@ -336,7 +353,14 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
 def _featurizer(plan: Plan, cfg, device: str | None, model):
     """(batch -> iterator of (sample, features)), and how to release it, for the plan's capture backend."""
     taps = plan.signature["taps"]
+    reduction = plan.signature.get("tap_reduction", "mean")
     if plan.signature.get("capture_backend", "hf") == "vllm" and model is None:
+        if plan.signature.get("hc_mult", 1) > 1 and reduction == "concat":
+            raise CacheError(
+                "cache.capture_backend=vllm returns one H-wide hidden state per layer, so it cannot store "
+                "model.tap_reduction=concat for a multi-stream target; use cache.capture_backend=hf (target.device_map=auto "
+                "spreads a large target over the GPUs) or model.tap_reduction=mean."
+            )
         from deepspec.data.cache.vllm_capture import VLLMFeaturizer
         from deepspec.targets import resolve_target_path
 
@@ -354,7 +378,7 @@ def _featurizer(plan: Plan, cfg, device: str | None, model):
 
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         model = load_target_from_config(cfg.target, device=device).model
-    return (lambda batch: sample_features(model, batch, taps)), (lambda: None)
+    return (lambda batch: sample_features(model, batch, taps, reduction)), (lambda: None)
 
 
 def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -377,7 +401,8 @@ def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[st
         **provenance,
         **sig,
         "deepspec_version": __version__,
-        "layout": "features[T, n_taps + 1, H]: taps in `taps` order, then the final normed hidden state",
+        "layout": "features[T, n_taps * rows + 1, H]: taps in `taps` order (each reduced by tap_reduction to rows * H, "
+                  "rows = hc_mult for concat else 1, stored as its rows slices of H), then the final normed hidden state",
         "num_shards": len(plan.shards),
         "counts": plan.counts,
         "bytes": int(index["nbytes"].sum()),
@@ -524,8 +549,13 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
 def _barrier() -> None:
     """Barriers between cache workers. The group only ever synchronises (no tensors), so it is gloo on any machine:
     NCCL would tie each rank to a GPU, and `--nproc N` CPU workers on a GPU machine all map to the same one."""
+    import datetime
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        # ranks that finish their shards wait at the last barrier for the slowest one: hours at scale, not
+        # the default 30 minutes
+        hours = float(os.environ.get("DEEPSPEC_CACHE_BARRIER_HOURS", "72"))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=hours))
     dist.barrier()

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build the target cache on every visible GPU (or N CPU workers) with torchrun: each rank captures its
+# share of the shards; the result is byte for byte the cache one worker writes.
+#
+#   bash scripts/data/cache.sh CONFIG [--nproc N] [torchrun args] [--split S] [--overwrite] [--opts key=value ...]
+#
+# Workers: one per GPU in CUDA_VISIBLE_DEVICES (or all GPUs); without a GPU, --nproc N CPU workers (default 1).
+# Multi-node: add torchrun's rendezvous arguments, the same on every node, with cache.dir on a shared filesystem:
+#   --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id mycache
+# Rerunning the same command resumes: finished shards are kept.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+CONFIG="$1"; shift
+NPROC=""
+TORCHRUN_ARGS=()
+CACHE_ARGS=()
+OPTS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc|--nproc-per-node|--nproc_per_node) NPROC="$2"; shift 2 ;;
+    --nproc=*|--nproc-per-node=*) NPROC="${1#*=}"; shift ;;
+    --split) CACHE_ARGS+=("$1" "$2"); shift 2 ;;
+    --split=*|--overwrite) CACHE_ARGS+=("$1"); shift ;;
+    --opts) shift; while [[ $# -gt 0 && "$1" != --* ]]; do OPTS+=("$1"); shift; done ;;
+    --*=*) TORCHRUN_ARGS+=("$1"); shift ;;
+    --*) TORCHRUN_ARGS+=("$1" "$2"); shift 2 ;;
+    *) echo "cache.sh: unexpected argument '$1' (config must come first; overrides go after --opts)" >&2; exit 2 ;;
+  esac
+done
+
+PYTHON="${PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+  ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
+fi
+
+if [[ -z "$NPROC" ]]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+  if [[ "$NGPU" -gt 0 ]]; then NPROC="$NGPU"; else NPROC=1; fi
+fi
+
+# CPU workers share the usable cores (torchrun alone would give each worker one thread); yours wins.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=$("$PYTHON" -c "from deepspec.train.launcher import cpu_threads_per_worker as f; print(f($NPROC))" 2>/dev/null || echo 1)
+fi
+
+STANDALONE=(--standalone)
+for a in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
+  case "$a" in --nnodes*|--rdzv*|--master*|--node*) STANDALONE=() ;; esac
+done
+
+exec "$PYTHON" -m torch.distributed.run "${STANDALONE[@]+"${STANDALONE[@]}"}" --nproc-per-node="$NPROC" \
+  "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}" \
+  -m deepspec.data.cache.worker "$CONFIG" ${CACHE_ARGS[@]+"${CACHE_ARGS[@]}"} ${OPTS[@]+--opts "${OPTS[@]}"}
