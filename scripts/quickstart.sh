@@ -16,7 +16,7 @@ SIZE=()
 if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; } \
    && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
   # Without native bf16 every stage runs in fp32 (bf16_if_native), ~2-2.5x slower: half the prompts keep
-  # the run within the 30-minute budget (README "Which CPU"). Your own --opts come after and win.
+  # the run within the 30-minute budget (docs/benchmarks.md, "Which CPU"). Your own --opts come after and win.
   echo "[quickstart] no AVX512-BF16/AMX on this CPU: fp32 throughout, 212 prompts instead of 424"
   SIZE=(--opts data.prompts.max_samples=212)
 fi
