@@ -190,6 +190,7 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
             f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {speedup} | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} |"
         )
     lines += served_by_engine_markdown(recipes, tasks)
+    lines += split_summary_markdown(recipes, tasks)
     lines += ["", "## per-depth conditional acceptance acc_cond@k (overall)", ""]
     depth = max((len(((r.results or {}).get("overall") or {}).get("acc_cond") or []) for r in recipes), default=0)
     if depth:
@@ -204,6 +205,18 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
         for st in r.stages:
             lines.append(f"  - {st.name}: {st.seconds:.0f} s" + (" (reused)" if st.skipped else ""))
     return "\n".join(lines) + "\n"
+
+
+def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
+    """acc0, acceptance per depth, E[A]@S3, E[A]@S7 and tau@3 per split and algorithm, as one table."""
+    from deepspec.eval.report import split_table
+
+    rows = [(f"{r.cfg.model.algorithm} / {t}", ((r.results or {}).get("tasks") or {}).get(t) or {}) for r in recipes for t in tasks]
+    if not any(row for _, row in rows):
+        return []
+    budget = recipes[0].cfg.eval.max_new_tokens
+    return ["", f"## per split (answers up to {budget} tokens): acc0, acceptance per depth, E[A]@S3, E[A]@S7, tau@3", "",
+            *split_table(rows, budget, label="algorithm / split")]
 
 
 def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
@@ -242,7 +255,8 @@ def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
             "eval_dir": str(r.eval_dir) if r.eval_dir else None,
             "plot": str(r.eval_dir / "acceptance.png") if r.eval_dir else None,
             "overall": res.get("overall"),
-            "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup")} for t, v in (res.get("tasks") or {}).items() if "skipped" not in v},
+            "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup", "acc0", "E[A]@S3", "E[A]@S7", "tau@3")}
+                      for t, v in (res.get("tasks") or {}).items() if "skipped" not in v},
             "engine": (res.get("engine") or {}).get("overall"),
             "engine_tasks": (res.get("engine") or {}).get("tasks"),
             "engine_num_speculative_tokens": (res.get("engine") or {}).get("num_speculative_tokens"),

@@ -136,3 +136,72 @@ def test_task_max_samples_caps_one_task_and_refuses_unknown_names(datasets_dir, 
     assert info["gsm8k"]["samples"] == 2
     with pytest.raises(ConfigError, match="held_out"):
         build_work(_cfg(datasets_dir, tmp_path, "eval.task_max_samples={held_out: 24}"))
+
+
+def test_custom_task_and_named_heldout_split(tiny_ckpt, datasets_dir, tmp_path):
+    """A user's JSONL file (single- and multi-turn rows, three shapes) and a held-out split by kind run through
+    the eval like the benchmarks: named after the file stem / split, with the headline metric names."""
+    from deepspec.eval.runner import evaluate
+
+    mine = tmp_path / "my_prompts.jsonl"
+    mine.write_text("\n".join(json.dumps(r) for r in [
+        {"turns": ["Say hi.", "Say it again."]},
+        {"conversations": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to 3."}]},
+        {"prompt": "Name a fruit."},
+    ]) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "heldout.agentic.jsonl").write_text(json.dumps(
+        {"id": "t1", "conversations": [{"role": "system", "content": "Functions: [get_time]"}, {"role": "user", "content": "Time?"}]}) + "\n")
+    out = tmp_path / "eval"
+    cfg = _cfg(datasets_dir, out, f"eval.tasks=[gsm8k,{mine},'heldout:agentic']", "eval.measure_speedup=false",
+               f"data.dir={data}", "eval.task_max_samples={my_prompts: 3}")
+    res = evaluate(cfg, tiny_ckpt)
+    assert list(res["tasks"]) == ["gsm8k", "my_prompts", "heldout:agentic"]
+    t = res["tasks"]["my_prompts"]
+    assert t["samples"] == 3 and t["file"] == str(mine)
+    for name in ("acc0", "acc_cond@1", "E[A]@S3", "E[A]@S7", "tau@3"):
+        assert name in t and name in res["tasks"]["heldout:agentic"]
+    assert t["acc0"] == t["acc_cond"][0] and t["tau@3"] == pytest.approx(1 + t["E[A]@S3"])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    multi = [s for s in samples if s["task"] == "my_prompts" and s["index"] == 0][0]
+    assert len(multi["turns"]) == 2
+    # the system message is part of the prompt: the tool-use row renders longer than its user turn alone
+    from transformers import AutoTokenizer
+
+    from deepspec.eval.runner import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(json.loads((out / "results.json").read_text())["meta"]["target"]["target_path"])
+    agentic = [s for s in samples if s["task"] == "heldout:agentic"][0]
+    assert agentic["turns"][0]["prompt_tokens"] == len(render_prompt(
+        tok, [{"role": "system", "content": "Functions: [get_time]"}, {"role": "user", "content": "Time?"}], {}))
+    md = (out / "results.md").read_text()
+    assert "| my_prompts | 3 | 10 |" in md and "E[A]@S3" in md and "tau@3" in md
+
+
+def test_custom_task_errors(datasets_dir, tmp_path):
+    from deepspec.errors import ConfigError, DataError
+    from deepspec.eval.runner import build_work
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"conversations": [{"role": "user"}]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: message 0 needs a 'role' and a string 'content'"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[{bad}]"))
+    bad.write_text('{"turns": ["ok"]}\n\n{"turns": ["a"],\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: invalid JSON"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[{bad}]"))
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: no prompt found"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[{bad}]"))
+    js = tmp_path / "rows.json"
+    js.write_text('[{"prompt": "a"}, {"turns": []}]')
+    with pytest.raises(DataError, match=r"rows.json#1: 'turns' must be a non-empty list"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[{js}]"))
+    with pytest.raises(DataError, match="does not exist"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[{tmp_path / 'missing.jsonl'}]"))
+    (tmp_path / "gsm8k.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(ConfigError, match="more than once"):
+        build_work(_cfg(datasets_dir, tmp_path, f"eval.tasks=[gsm8k,{tmp_path / 'gsm8k.jsonl'}]"))
+    # a held-out split that was not built is reported as skipped, not silently dropped
+    items, info = build_work(_cfg(datasets_dir, tmp_path, "eval.tasks=[gsm8k,'heldout:general']", f"data.dir={tmp_path / 'd'}"))
+    assert "skipped" in info["heldout:general"] and "data.prompts.sources" in info["heldout:general"]["skipped"]

@@ -82,3 +82,16 @@ def test_timing_speedup():
     t2 = TimingStats.from_dict(t.to_dict()).merge(TimingStats(50, 1.0, 50, 1.0))
     assert t2.speedup == pytest.approx((150 / 3.5) / (150 / 5.0))
     assert math.isnan(TimingStats().speedup)
+
+
+def test_headline_names():
+    s = _stats([(3, 3), (3, 1), (3, 0), (3, 2)])
+    h = s.summary()
+    assert h["acc0"] == h["acc_cond@1"] == pytest.approx(3 / 4)
+    assert h["acc_cond@2"] == pytest.approx(2 / 3) and h["acc_cond@3"] == pytest.approx(1 / 2)
+    assert h["E[A]@S3"] == pytest.approx(1.5)
+    assert h["tau@3"] == pytest.approx(2.5) == pytest.approx(s.tau)
+    assert math.isnan(h["E[A]@S7"])  # only 3 drafts per round: a 7-deep figure was not measured
+    deep = _stats([(7, 7), (7, 5), (7, 0)])
+    assert deep.summary()["E[A]@S7"] == pytest.approx((7 + 5 + 0) / 3)
+    assert deep.summary()["tau@3"] == pytest.approx(1 + (3 + 3 + 0) / 3)

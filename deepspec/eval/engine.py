@@ -85,8 +85,8 @@ class _Client:
             raise EngineError(f"vLLM answered {r.status_code} to a chat request: {r.text[:300]}")
         return r.json()["choices"][0]["message"]["content"] or ""
 
-    def conversation(self, turns: list[str], seed: int) -> None:
-        messages: list[dict] = []
+    def conversation(self, turns: list[str], seed: int, system: str | None = None) -> None:
+        messages: list[dict] = [{"role": "system", "content": system}] if system else []
         for t, turn in enumerate(turns):
             messages.append({"role": "user", "content": turn})
             answer = self.chat(messages, seed + t)
@@ -131,7 +131,7 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
         for task, task_items in by_task.items():
             before = counters()
             with ThreadPoolExecutor(max_workers=max(1, cfg.eval.engine_max_concurrency)) as pool:
-                futures = [pool.submit(client.conversation, it.row["turns"], cfg.eval.seed + it.index * 16) for it in task_items]
+                futures = [pool.submit(client.conversation, it.row["turns"], cfg.eval.seed + it.index * 16, it.row.get("system")) for it in task_items]
                 for f in progress(futures, desc=f"vLLM {task}", unit="sample"):
                     f.result()
             delta = counters_delta(before, counters())

@@ -11,6 +11,10 @@ accepts a prefix of A of them, then emits one token of its own (correction or bo
                                  proposes S tokens τ = 1 + E[A]@S, so it compares runs at a
                                  different number of speculative tokens.
 
+The headline names users compare across papers and engines (``HEADLINE``): ``acc0`` = acc_cond@1
+(the first draft's acceptance), ``acc_cond@k`` per depth, ``E[A]@S3`` / ``E[A]@S7`` and
+``tau@3`` = 1 + E[A]@S3 (what a 3-token chain would reach). A name whose depth was never drafted is NaN.
+
 Stats are integer counters, so workers merge by adding them (never by averaging ratios).
 There is deliberately no bare "accept_rate": it means α, s or a token ratio depending on who prints it.
 """
@@ -19,6 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+HEADLINE_S = (3, 7)
+HEADLINE = ("acc0", "E[A]@S3", "E[A]@S7", "tau@3")
 
 
 @dataclass
@@ -97,10 +105,21 @@ class AcceptanceStats:
             return float("nan")
         return sum(self.survival(k) for k in range(1, s + 1))
 
+    def headline(self) -> dict[str, float]:
+        """acc0, acc_cond@k (k = 1..depth), E[A]@S3, E[A]@S7, tau@3 — NaN where the depth was not drafted."""
+        nan = float("nan")
+        out: dict[str, float] = {"acc0": self.acc_cond(1)}
+        out.update({f"acc_cond@{k}": self.acc_cond(k) for k in range(1, self.depth + 1)})
+        for s in HEADLINE_S:
+            out[f"E[A]@S{s}"] = self.expected_accepted(s) if s <= self.depth else nan
+        out["tau@3"] = 1 + out["E[A]@S3"]
+        return out
+
     def summary(self) -> dict[str, Any]:
-        """The metrics as a JSON-ready dict (per-depth lists are indexed k-1)."""
+        """The metrics as a JSON-ready dict (per-depth lists are indexed k-1, headline names flat)."""
         d = self.depth
         return {
+            **self.headline(),
             "tau": self.tau,
             "rounds": self.rounds,
             "proposed_tokens": self.proposed,

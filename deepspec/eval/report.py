@@ -35,6 +35,24 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+def split_table(rows: list[tuple[str, dict[str, Any]]], budget: Any, depth: int | None = None, label: str = "split") -> list[str]:
+    """One table of the headline names per split / benchmark: acc0, acc_cond@k, E[A]@S3, E[A]@S7, tau@3,
+    with the answer budget (max new tokens) — the figures DESIGN.md §7 asks for on every held-out split."""
+    rows = [(n, r) for n, r in rows if r and "skipped" not in r]
+    if depth is None:
+        depth = max((len(r.get("acc_cond") or []) for _, r in rows), default=0)
+    depth_cols = [f"acc_cond@{k}" for k in range(2, depth + 1)]
+    head = ["acc0", *depth_cols, "E[A]@S3", "E[A]@S7", "tau@3", "tau"]
+    lines = [f"| {label} | samples | answer budget | " + " | ".join(head) + " |", "|---" * (len(head) + 3) + "|"]
+    for name, r in rows:
+        acc = list(r.get("acc_cond") or [])
+        vals = {"acc0": r.get("acc0", acc[0] if acc else None), "tau": r.get("tau")}
+        vals.update({f"acc_cond@{k}": r.get(f"acc_cond@{k}", acc[k - 1] if len(acc) >= k else None) for k in range(2, depth + 1)})
+        vals.update({k: r.get(k) for k in ("E[A]@S3", "E[A]@S7", "tau@3")})
+        lines.append(f"| {name} | {r.get('samples', '')} | {budget} | " + " | ".join(_f(vals[h]) for h in head) + " |")
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     """A readable summary: one row per benchmark + overall, then per-depth tables."""
     meta = results.get("meta", {})
@@ -57,6 +75,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {r.get('samples', '')} | {_f(r['tau'])} | {r['rounds']} | {r['proposed_tokens']} | {r['accepted_tokens']} | "
             f"{_f(r.get('target_tokens_per_s'), 1)} | {_f(r.get('spec_tokens_per_s'), 1)} | {_f(r.get('speedup'), 2)} |"
         )
+    lines += ["", "## Per split: acc0 (= acc_cond@1), acceptance per depth, E[A]@S3, E[A]@S7, tau@3", ""]
+    lines += split_table(rows, meta.get("max_new_tokens"), depth)
     if depth:
         head = " | ".join(f"k={k}" for k in range(1, depth + 1))
         sep = "|---" * (depth + 1) + "|"
@@ -144,7 +164,7 @@ def flat_scalars(results: dict[str, Any]) -> dict[str, float]:
     for name, r in list(results["tasks"].items()) + [("overall", results["overall"])]:
         if "skipped" in r:
             continue
-        for key in ("tau", "speedup", "spec_tokens_per_s", "target_tokens_per_s"):
+        for key in ("tau", "speedup", "spec_tokens_per_s", "target_tokens_per_s", "acc0", "E[A]@S3", "E[A]@S7", "tau@3"):
             v = r.get(key)
             if isinstance(v, (int, float)) and not math.isnan(v):
                 out[f"eval/{name}/{key}"] = float(v)

@@ -82,6 +82,8 @@ def check_target_matches(draft_meta: dict[str, Any], target) -> None:
             "evaluate it with the target it was trained on (--target / --opts target.name=...)."
         )
     th = arch.get("target_hidden_size")
+    if th is not None and arch.get("tap_reduction") == "concat":  # S streams of H concatenated per tap
+        th //= int(arch.get("target_hc_mult") or 1)
     if th is not None and th != target.config.hidden_size:
         raise CheckpointError(
             f"The draft reads target features of width {th}, but {target.name} has hidden size {target.config.hidden_size}; "
@@ -92,33 +94,74 @@ def check_target_matches(draft_meta: dict[str, Any], target) -> None:
 # ----------------------------------------------------------------------------------------- work list
 
 
+def task_name(task: str) -> str:
+    """The name a task is reported under: itself, or a custom file's stem."""
+    from deepspec.eval.benchmarks import custom_task_name, is_custom_task
+
+    return custom_task_name(task) if is_custom_task(task) else task
+
+
+def task_names(cfg) -> list[str]:
+    return [task_name(t) for t in cfg.eval.tasks]
+
+
+def check_tasks(cfg) -> None:
+    """Refuse unknown names and custom files whose stem collides with another task."""
+    from deepspec.eval.benchmarks import ALL_TASKS, HELDOUT_PREFIX, HELDOUT_TASK, is_custom_task
+
+    def known(t: str) -> bool:
+        return t in ALL_TASKS or t == HELDOUT_TASK or (t.startswith(HELDOUT_PREFIX) and len(t) > len(HELDOUT_PREFIX))
+
+    unknown = [t for t in cfg.eval.tasks if not is_custom_task(t) and not known(t)]
+    names = task_names(cfg)
+    unknown += [t for t in cfg.eval.task_max_samples if t not in names and not known(t)]
+    if unknown:
+        raise ConfigError(
+            f"Unknown eval task(s) {unknown}; choose from {', '.join(ALL_TASKS)}, {HELDOUT_TASK}, {HELDOUT_PREFIX}<split> "
+            "(a held-out split of data.prompts.sources), or a path to your own .jsonl / .json prompts."
+        )
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"eval.tasks names {dup} more than once (a custom file is named after its stem); rename the file.")
+
+
 def build_work(cfg) -> tuple[list[WorkItem], dict[str, dict]]:
     """All samples of all requested benchmarks, and per-task info (file, rows, skipped reason)."""
-    from deepspec.eval.benchmarks import ALL_TASKS, HELDOUT_TASK, load_benchmark, load_heldout
+    from deepspec.data.prompts import heldout_split_path
+    from deepspec.eval.benchmarks import HELDOUT_PREFIX, HELDOUT_TASK, is_custom_task, load_benchmark, load_custom_task, load_heldout
 
-    for key, names in (("eval.tasks", cfg.eval.tasks), ("eval.task_max_samples", list(cfg.eval.task_max_samples))):
-        unknown = [t for t in names if t not in ALL_TASKS and t != HELDOUT_TASK]
-        if unknown:
-            raise ConfigError(f"Unknown eval task(s) {unknown} in {key}; choose from {', '.join(ALL_TASKS)}, {HELDOUT_TASK}.")
+    check_tasks(cfg)
     items: list[WorkItem] = []
     info: dict[str, dict] = {}
     for task in cfg.eval.tasks:
-        cap = cfg.eval.task_max_samples.get(task, cfg.eval.max_samples)
-        if task == HELDOUT_TASK:
+        name = task_name(task)
+        cap = cfg.eval.task_max_samples.get(name, cfg.eval.task_max_samples.get(task, cfg.eval.max_samples))
+        if is_custom_task(task):
+            bench = load_custom_task(task, cap, cfg.eval.seed)
+        elif task == HELDOUT_TASK:
             bench = load_heldout(cfg.heldout_path, cap, cfg.eval.seed)
+        elif task.startswith(HELDOUT_PREFIX):
+            bench = load_heldout(heldout_split_path(cfg, task[len(HELDOUT_PREFIX):]), cap, cfg.eval.seed, name=task)
         else:
             bench = load_benchmark(task, cfg.eval.datasets_dir, cap, cfg.eval.seed)
         if bench is None:
-            info[task] = {"skipped": f"{task}.jsonl not found in {cfg.eval.datasets_dir}; build it with `python eval_datasets/build.py --online`"}
+            how = ("run `deepspec data prompts` with that split in data.prompts.sources" if task.startswith(HELDOUT_PREFIX)
+                   else "build it with `python eval_datasets/build.py --online`")
+            info[name] = {"skipped": f"{task} not found; {how}"}
             continue
-        info[task] = {"file": str(bench.path), "rows_in_file": bench.total_rows, "samples": len(bench.samples)}
-        items.extend(WorkItem(task, i, row) for i, row in enumerate(bench.samples))
+        info[name] = {"file": str(bench.path), "rows_in_file": bench.total_rows, "samples": len(bench.samples)}
+        items.extend(WorkItem(name, i, row) for i, row in enumerate(bench.samples))
     if not items:
         raise ConfigError(f"No benchmark samples to evaluate (tasks {cfg.eval.tasks} in {cfg.eval.datasets_dir}); build them with `python eval_datasets/build.py`.")
     return items, info
 
 
 # ----------------------------------------------------------------------------------------- one worker
+
+
+def first_messages(row: dict) -> list[dict]:
+    """The row's system message (held-out tool-use prompts carry their tools there), if any."""
+    return [{"role": "system", "content": row["system"]}] if row.get("system") else []
 
 
 def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
@@ -162,7 +205,8 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
 
     # warm-up (one-time kernel / allocator costs must not land in the first timed sample)
     if mine:
-        warm = render_prompt(target.tokenizer, [{"role": "user", "content": mine[0].row["turns"][0]}], tmpl_kwargs)
+        warm = render_prompt(target.tokenizer, first_messages(mine[0].row) + [{"role": "user", "content": mine[0].row["turns"][0]}],
+                             tmpl_kwargs)
         generate_speculative(target.model, proposer, taps, warm, max_new_tokens=8, num_draft_tokens=ecfg.num_draft_tokens,
                              temperature=ecfg.temperature, eos_ids=eos, generator=gen(0))
         if ecfg.measure_speedup:
@@ -175,7 +219,7 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
     for item in bar:
         st = stats.setdefault(item.task, AcceptanceStats())
         tm = timing.setdefault(item.task, TimingStats())
-        messages: list[dict] = []
+        messages: list[dict] = first_messages(item.row)
         record = {"task": item.task, "index": item.index, "id": item.row.get("id"), "turns": []}
         for t, turn in enumerate(item.row["turns"]):
             messages.append({"role": "user", "content": turn})
@@ -261,7 +305,7 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
             timing.setdefault(task, TimingStats()).merge(TimingStats.from_dict(d))
     tasks: dict[str, Any] = {}
     overall, overall_t = AcceptanceStats(), TimingStats()
-    for task in cfg.eval.tasks:
+    for task in task_names(cfg):
         if task not in stats:
             if task in info and "skipped" in info[task]:
                 tasks[task] = {"skipped": info[task]["skipped"]}
@@ -269,7 +313,8 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
         overall.merge(stats[task])
         overall_t.merge(timing[task])
         tasks[task] = {**info.get(task, {}), **stats[task].summary(), **_timing_summary(timing[task], cfg)}
-    samples = sorted((s for p in parts for s in p["samples"]), key=lambda s: (cfg.eval.tasks.index(s["task"]), s["index"]))
+    order = task_names(cfg)
+    samples = sorted((s for p in parts for s in p["samples"]), key=lambda s: (order.index(s["task"]), s["index"]))
     matches = [t["matches_target"] for s in samples for t in s["turns"] if "matches_target" in t]
     result = {
         "overall": {**overall.summary(), **_timing_summary(overall_t, cfg)},
