@@ -439,3 +439,62 @@ def test_input_changed_mid_build_is_refused(data_root, tiny_llama_dir, tmp_path)
     path.write_text(path.read_text().replace("conv-0", "conv-X", 1))
     with pytest.raises(DataError, match="changed while the cache was being built"):
         materialize(plan, plan.samples[:1], tok)
+
+
+# ---------------------------------------------------------------------------------- multi-stream (mhc) targets
+
+
+@pytest.fixture(scope="module")
+def mhc_dir(tmp_path_factory):
+    from deepspec.targets.tiny_mhc import save_tiny_mhc
+
+    return save_tiny_mhc(tmp_path_factory.mktemp("tiny-mhc"))
+
+
+def _mhc_cache(data_root, mhc_dir, root: Path, reduction: str, dtype: str = "fp32"):
+    shutil.copytree(data_root / "data", root / "data", dirs_exist_ok=True)
+    cfg = make_cfg(root, mhc_dir, dtype=dtype)
+    cfg.model.tap_reduction = reduction
+    cfg.model.target_layer_ids = [-1, 1, 3]
+    return cfg, build_cache(cfg, "train")
+
+
+def test_mhc_cache_stores_reduced_taps_and_records_them(data_root, mhc_dir, tmp_path):
+    """Golden: cached taps (mean: H wide, concat: S*H wide) equal the reduced streams of the target's forward;
+    the manifest records hc_mult and tap_reduction; concat costs S times the tap bytes of mean."""
+    from deepspec.targets import load_target
+
+    target = load_target(str(mhc_dir), device="cpu", dtype="float32")
+    S, H = target.config.hc_mult, target.config.hidden_size
+    sizes = {}
+    for reduction in ("mean", "concat"):
+        cfg, d = _mhc_cache(data_root, mhc_dir, tmp_path / reduction, reduction)
+        ds = open_cache(d, cfg=cfg)
+        m = ds.manifest
+        assert (m["hc_mult"], m["tap_reduction"]) == (S, reduction)
+        item = ds[0]
+        with torch.no_grad():
+            ref = target.model.model(input_ids=item["input_ids"][None], output_hidden_states=True)
+        want = torch.stack([ref.hidden_states[k + 1][0] for k in m["taps"]], 1)  # [T, n, S, H]
+        want = want.mean(2) if reduction == "mean" else want.flatten(2)
+        assert item["taps"].shape == (len(item["input_ids"]), 3, H if reduction == "mean" else S * H)
+        assert torch.allclose(item["taps"], want, atol=1e-5)
+        assert torch.allclose(item["final_hidden"], ref.last_hidden_state[0], atol=1e-5)
+        batch = collate([ds[0], ds[1]])
+        assert batch.taps.shape[-1] == item["taps"].shape[-1] and batch.final_hidden.shape[-1] == H
+        sizes[reduction] = m["bytes"] / m["counts"]["tokens"]
+    # fp32 record: ids 4 + mask 1 + 4 * (n_taps * rows + 1) * H per token (+ alignment)
+    assert sizes["concat"] > 3 * sizes["mean"]
+
+
+def test_mhc_cache_with_other_tap_reduction_is_refused(data_root, mhc_dir, tmp_path):
+    cfg, d = _mhc_cache(data_root, mhc_dir, tmp_path, "mean")
+    cfg.model.tap_reduction = "concat"
+    with pytest.raises(CacheError, match=r"tap_reduction: cache has 'mean', run wants 'concat' \(model.tap_reduction\)"):
+        open_cache(d, cfg=cfg)
+
+
+def test_manifest_without_stream_fields_reads_as_single_stream():
+    fmt.check_manifest({"taps": [1]}, {"taps": [1], "hc_mult": 1, "tap_reduction": "mean"})
+    with pytest.raises(CacheError, match="hc_mult"):
+        fmt.check_manifest({"taps": [1]}, {"hc_mult": 4})

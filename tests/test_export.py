@@ -63,7 +63,7 @@ def test_eagle3_with_the_embeddings_tap_tells_vllm_how_many_taps_fc_reads(tmp_pa
 
 def test_eagle3_qwen3_full_vocab_layout(tmp_path, tiny_qwen3_dir):
     _, ckpt = _ckpt(tmp_path, "qwen3", "eagle3", fc_norm=False, norm_output=False)
-    cfg, w = _read(export_draft(ckpt, tmp_path / "out", "sglang", target=str(tiny_qwen3_dir)))
+    cfg, w = _read(export_draft(ckpt, tmp_path / "out", "vllm", target=str(tiny_qwen3_dir)))
     assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
     assert "midlayer.self_attn.q_norm.weight" in w and "d2t" not in w and not any(k.startswith("fc_norm") for k in w)
     assert cfg["draft_vocab_size"] == 320 and cfg["fc_norm"] is False
@@ -105,6 +105,7 @@ def test_dspark_export_parsed_by_vllm_speculators_config(tmp_path):
     _, gated = _ckpt(tmp_path, "qwen3", "dspark", name="gated", markov_head_type="gated")
     with pytest.raises(ConfigError, match="vanilla"):
         export_draft(gated, tmp_path / "out3", "vllm")
+    assert json.loads((export_draft(gated, tmp_path / "out4", "sglang") / "config.json").read_text())["markov_head_type"] == "gated"
 
 
 def test_export_refuses_other_target(tmp_path, tiny_llama_dir, tiny_qwen3_dir):

@@ -19,6 +19,10 @@ class ModelConfig:
     # Taps in our convention; empty = the algorithm's default for the target depth.
     target_layer_ids: list[int] = field(default_factory=list)
     num_draft_layers: int = 1
+    # Multi-stream (hyper-connection) targets, e.g. DeepSeek-V4 with hc_mult = 4: a tap is [T, S, H]. `mean`: the
+    # draft reads the streams' mean (width H); `concat`: their concatenation (width S*H, a wider fc). The cache stores
+    # the reduced taps and records the choice; single-stream targets are unaffected by it.
+    tap_reduction: Literal["mean", "concat"] = "mean"
     # Draft sizes default to the target's; override to shrink the draft.
     hidden_size: int | None = None
     intermediate_size: int | None = None
@@ -87,6 +91,8 @@ class ModelConfig:
                 "model.fc_norm and model.norm_before_fc are mutually exclusive (EAGLE-3.1 per-tap norms vs the legacy "
                 "single norm); set one of them to false."
             )
+        if self.tap_reduction not in ("mean", "concat"):
+            raise ConfigError(f"model.tap_reduction must be mean or concat, got {self.tap_reduction!r}.")
         if self.block_size < 1 or self.ttt_length < 1:
             raise ConfigError("model.block_size and model.ttt_length must be >= 1.")
         if self.markov_rank < 1 and self.algorithm == "dspark":

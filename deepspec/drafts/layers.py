@@ -28,8 +28,10 @@ class DraftArch:
     head_dim: int
     num_layers: int
     vocab_size: int  # target vocabulary
-    target_hidden_size: int
+    target_hidden_size: int  # width of one tap as the draft reads it: H, or S*H for a concat-reduced multi-stream target
     target_num_layers: int
+    target_hc_mult: int = 1  # residual streams of the target (hyper-connections); taps reduced by tap_reduction
+    tap_reduction: str = "mean"
     rms_norm_eps: float = 1e-6
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
@@ -81,6 +83,10 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
     if heads % kv_heads:
         raise ConfigError(f"model.num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; pick divisible values.")
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    from deepspec.targets.taps import tap_width
+
+    streams = int(getattr(cfg, "hc_mult", None) or 1)
+    reduction = getattr(model_cfg, "tap_reduction", "mean")
     model_type = getattr(cfg, "model_type", "llama")
     if qk_norm is None:
         qk_norm = model_type.startswith(("qwen3", "gemma3", "gemma4"))
@@ -94,8 +100,10 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
         head_dim=head_dim,
         num_layers=model_cfg.num_draft_layers,
         vocab_size=cfg.vocab_size,
-        target_hidden_size=hidden,
+        target_hidden_size=tap_width(hidden, streams, reduction),
         target_num_layers=cfg.num_hidden_layers,
+        target_hc_mult=streams,
+        tap_reduction=reduction,
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         rope_parameters=_rope_parameters(cfg),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),

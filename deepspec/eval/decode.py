@@ -110,8 +110,11 @@ def generate_speculative(
     temperature: float = 0.0,
     eos_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
+    tap_reduction: str | None = None,
 ) -> Generation:
     """Speculative decoding of one answer; returns the tokens and the per-round acceptance counters.
+
+    `tap_reduction` (multi-stream targets: mean | concat of the streams) defaults to the proposer's draft's.
 
     Lossless: at T=0 the tokens equal the target's greedy tokens; at T>0 they are distributed as the
     target's samples (exact rejection sampling in `verify`).
@@ -121,10 +124,12 @@ def generate_speculative(
     prompt = list(prompt_ids)
     stats = AcceptanceStats()
     proposer.reset()
+    if tap_reduction is None:
+        tap_reduction = getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
     _sync(device)
     t0 = time.perf_counter()
     out, cache = _forward(model, torch.tensor(prompt, dtype=torch.long, device=device), None, hidden=True)
-    new_taps = select_taps(out.hidden_states, taps)[0]  # [P, n_taps, H]: positions 0..P-1
+    new_taps = select_taps(out.hidden_states, taps, tap_reduction)[0]  # [P, n_taps, H]: positions 0..P-1
     first = next_token(out.logits[0, -1], temperature, generator)
     committed = prompt + [first]
     tokens = [first]
@@ -157,6 +162,6 @@ def generate_speculative(
         # keep the target cache for committed positions that it has processed (all but the newest token)
         _crop(cache, len(committed) - 1)
         # tap features for the newly committed, target-processed positions: the input token + accepted drafts
-        new_taps = select_taps(out.hidden_states, taps)[0, : len(committed) - 1 - seen]
+        new_taps = select_taps(out.hidden_states, taps, tap_reduction)[0, : len(committed) - 1 - seen]
     _sync(device)
     return Generation(tokens, time.perf_counter() - t0, stats, stopped_by_eos=bool(tokens) and tokens[-1] in eos_ids)

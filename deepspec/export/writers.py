@@ -48,6 +48,9 @@ def _sizes(arch: dict[str, Any], model_type: str) -> dict[str, Any]:
         "vocab_size": arch["vocab_size"],
         "tie_word_embeddings": False,
         "target_hidden_size": arch["target_hidden_size"],
+        # multi-stream targets: taps of hc_mult streams, reduced by mean (width H) or concat (width hc_mult * H)
+        "target_hc_mult": arch.get("target_hc_mult", 1),
+        "tap_reduction": arch.get("tap_reduction", "mean"),
     }
 
 
@@ -80,7 +83,8 @@ def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | N
     cfg = json.loads((path / "config.json").read_text())
     cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
     arch = meta["arch"]
-    expect = {"target_vocab_size": arch["vocab_size"], "target_hidden_size": arch["target_hidden_size"], "target_num_layers": arch["target_num_layers"]}
+    width = arch["target_hidden_size"] // (int(arch.get("target_hc_mult") or 1) if arch.get("tap_reduction") == "concat" else 1)
+    expect = {"target_vocab_size": arch["vocab_size"], "target_hidden_size": width, "target_num_layers": arch["target_num_layers"]}
     for key, hf_key in _CHECKED:
         for source, value in (("provenance", prov.get(key)), ("draft", expect[key])):
             if value is not None and cfg.get(hf_key) != value:
@@ -156,11 +160,6 @@ def _dflash(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     mcfg = meta["model"]
-    if mcfg["markov_head_type"] != "vanilla":
-        raise ConfigError(
-            f"vLLM's Qwen3DSparkModel implements only the vanilla Markov head; this draft uses '{mcfg['markov_head_type']}'. "
-            "Train with model.markov_head_type=vanilla to export it."
-        )
     layer = _sizes(meta["arch"], "qwen3")
     layer["architectures"] = ["Qwen3ForCausalLM"]
     cfg = {
@@ -188,6 +187,16 @@ def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[
     if "confidence_head.proj.weight" in weights:
         weights = {k: (v.float() if k.startswith("confidence_head.") else v) for k, v in weights.items()}
     return cfg, weights
+
+
+def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
+    """Refuse what vLLM 0.32 would load but not run as trained."""
+    mcfg = meta["model"]
+    if algo == "dspark" and mcfg["markov_head_type"] != "vanilla":
+        raise ConfigError(
+            f"vLLM's Qwen3DSparkModel implements only the vanilla Markov head; this draft uses '{mcfg['markov_head_type']}'. "
+            "Train with model.markov_head_type=vanilla, or export it with --format sglang (SGLang runs gated and rnn heads)."
+        )
 
 
 def export_draft(
@@ -219,6 +228,12 @@ def export_draft(
         cfg, weights = _dspark(draft, meta, target)
     else:
         raise ConfigError(f"Export does not know algorithm '{algo}'.")
+    if fmt == "vllm":
+        _check_vllm(algo, meta)
+    else:  # SGLang's layouts are rewrites of the vLLM ones (fields added above reach both)
+        from deepspec.export.sglang import BUILDERS
+
+        cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),

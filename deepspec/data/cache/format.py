@@ -11,8 +11,9 @@ A cache directory holds:
     its presence is what makes a cache complete.
 
 A record of T tokens is: input_ids int32 [T] | loss_mask uint8 [T] | features [T, L, H] | (fp8
-only) scales float32 [T, L], where L = n_taps + 1 (the taps in manifest order, then the final
-normed hidden state). Sections start on 16-byte boundaries. fp8 is e4m3 with one scale per token
+only) scales float32 [T, L], where L = n_taps * rows + 1 (the taps in manifest order, then the final
+normed hidden state). rows = 1, except for a multi-stream target (manifest `hc_mult` = S > 1) cached with
+`tap_reduction` = concat: each tap is then S*H wide and stored as its S slices of H. Sections start on 16-byte boundaries. fp8 is e4m3 with one scale per token
 per layer (amax / 448), so outliers in one token never crush the precision of another.
 """
 
@@ -202,6 +203,8 @@ def is_complete(directory: str | Path) -> bool:
 # Fields a training run must agree with, and how to name them for a user.
 CHECKED_FIELDS = {
     "taps": "model.target_layer_ids",
+    "tap_reduction": "model.tap_reduction",
+    "hc_mult": "the target's hc_mult (residual streams)",
     "hidden_size": "the target's hidden size",
     "target": "target.name",
     "template_hash": "the target's chat template",
@@ -209,6 +212,10 @@ CHECKED_FIELDS = {
     "target_revision": "target.revision",
     "chat_template_kwargs": "target.chat_template_kwargs (e.g. thinking mode)",
 }
+
+
+# What a manifest written before a field existed means by its absence.
+MANIFEST_DEFAULTS = {"hc_mult": 1, "tap_reduction": "mean"}
 
 
 def check_manifest(manifest: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -220,7 +227,7 @@ def check_manifest(manifest: dict[str, Any], expected: dict[str, Any]) -> None:
         want = expected.get(key)
         if want is None:
             continue
-        have = manifest.get(key)
+        have = manifest.get(key, MANIFEST_DEFAULTS.get(key))
         if isinstance(want, tuple):
             want = list(want)
         if have != want:

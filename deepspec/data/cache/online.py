@@ -52,16 +52,18 @@ class OnlineFeatures:
     """Turns a list of `Sample`s into a DraftBatch by running the target (use as a DataLoader collate_fn
     with num_workers=0, or call it in the training step where the target lives)."""
 
-    def __init__(self, model, taps: Sequence[int], *, max_batch_tokens: int | None = None, pad_token_id: int = 0):
+    def __init__(self, model, taps: Sequence[int], *, max_batch_tokens: int | None = None, pad_token_id: int = 0,
+                 tap_reduction: str = "mean"):
         self.model = model
         self.taps = list(taps)
+        self.tap_reduction = tap_reduction
         self.max_batch_tokens = max_batch_tokens
         self.pad_token_id = pad_token_id
 
     @classmethod
     def from_config(cls, cfg, target) -> "OnlineFeatures":
         taps = resolve_taps(cfg, target.config.num_hidden_layers)
-        return cls(target.model, taps, max_batch_tokens=cfg.cache.batch_tokens)
+        return cls(target.model, taps, max_batch_tokens=cfg.cache.batch_tokens, tap_reduction=cfg.model.tap_reduction)
 
     def features(self, samples: Sequence[Sample]) -> list[dict[str, Any]]:
         """Per-sample dicts shaped exactly like CacheDataset items."""
@@ -73,12 +75,13 @@ class OnlineFeatures:
         groups = _batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
         n = len(self.taps)
         for group in groups:
-            for s, feats in sample_features(self.model, group, self.taps):
+            for s, feats in sample_features(self.model, group, self.taps, self.tap_reduction):
+                rows = (feats.shape[1] - 1) // n
                 out.append({
                     "input_ids": torch.from_numpy(s.input_ids.astype(np.int64)),
                     "loss_mask": torch.from_numpy(s.loss_mask.astype(bool)),
-                    "taps": feats[:, :n],
-                    "final_hidden": feats[:, n],
+                    "taps": feats[:, : n * rows].reshape(feats.shape[0], n, rows * feats.shape[-1]),
+                    "final_hidden": feats[:, n * rows],
                 })
         return out
 

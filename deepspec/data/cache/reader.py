@@ -37,7 +37,12 @@ class CacheDataset:
         self.taps: list[int] = list(self.manifest["taps"])
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self.dtype: str = self.manifest["dtype"]
-        self._n_layers = len(self.taps) + 1
+        # multi-stream targets: a tap reduced by `concat` is S*H wide, stored as S rows of H (writer.tap_rows)
+        self.hc_mult: int = int(self.manifest.get("hc_mult", 1))
+        self.tap_reduction: str = self.manifest.get("tap_reduction", "mean")
+        self._rows = self.hc_mult if self.tap_reduction == "concat" else 1
+        self.tap_width: int = self.hidden_size * self._rows
+        self._n_layers = len(self.taps) * self._rows + 1
         self._maps: OrderedDict[int, tuple[Any, mmap.mmap]] = OrderedDict()
         self._ids: list[str] | None = None
 
@@ -92,7 +97,7 @@ class CacheDataset:
             f.close()
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """input_ids [T] int64, loss_mask [T] bool, taps [T, n_taps, H] float32, final_hidden [T, H] float32."""
+        """input_ids [T] int64, loss_mask [T] bool, taps [T, n_taps, W] float32 (W = tap_width), final_hidden [T, H] float32."""
         row = self.index[i]
         s, off, nbytes, length = int(row["shard"]), int(row["offset"]), int(row["nbytes"]), int(row["length"])
         m = self._shard(s)
@@ -108,8 +113,9 @@ class CacheDataset:
                 "Rebuild the cache with --overwrite."
             )
         ids, mask, feats = fmt.decode_record(buf, length, self._n_layers, self.hidden_size, self.dtype)
-        n = len(self.taps)
-        return {"input_ids": ids, "loss_mask": mask, "taps": feats[:, :n], "final_hidden": feats[:, n]}
+        n = len(self.taps) * self._rows
+        taps = feats[:, :n].reshape(length, len(self.taps), self.tap_width)
+        return {"input_ids": ids, "loss_mask": mask, "taps": taps, "final_hidden": feats[:, n]}
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int = 1):
@@ -123,11 +129,12 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_mul
     B = len(samples)
     T = max(len(s["input_ids"]) for s in samples)
     T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
-    n_taps, H = samples[0]["taps"].shape[1:]
+    n_taps, W = samples[0]["taps"].shape[1:]
+    H = samples[0]["final_hidden"].shape[-1]
     ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     loss = torch.zeros(B, T, dtype=torch.bool)
     att = torch.zeros(B, T, dtype=torch.bool)
-    taps = torch.zeros(B, T, n_taps, H, dtype=samples[0]["taps"].dtype)
+    taps = torch.zeros(B, T, n_taps, W, dtype=samples[0]["taps"].dtype)
     final = torch.zeros(B, T, H, dtype=samples[0]["final_hidden"].dtype)
     for b, s in enumerate(samples):
         t = len(s["input_ids"])
@@ -142,7 +149,7 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_mul
 def expected_provenance(cfg, target=None) -> dict[str, Any]:
     """What a training run expects of its cache: from its config and the target (the loaded one, or
     its tokenizer + HF config, which are cheap to read)."""
-    from deepspec.data.cache.writer import _load_plan_inputs, resolve_taps
+    from deepspec.data.cache.writer import _load_plan_inputs, resolve_taps, tap_rows
     from deepspec.targets import template_hash
 
     exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision,
@@ -155,6 +162,7 @@ def expected_provenance(cfg, target=None) -> dict[str, Any]:
     exp["hidden_size"] = tconf.hidden_size
     exp["template_hash"] = thash
     exp["taps"] = resolve_taps(cfg, tconf.num_hidden_layers)
+    exp["hc_mult"], exp["tap_reduction"], _ = tap_rows(cfg, tconf)
     return exp
 
 

@@ -1,0 +1,142 @@
+"""SGLang exports, checked by SGLang's own code: its draft classes are built on CPU from our config.json,
+our safetensors go through its load_weights (every tensor consumed, every parameter set), and one
+forward is compared with ours (tests/sglang_probe.py, run in a subprocess). SGLang's sources come from
+the registry via scripts/sglang_side.sh; the test skips only when that install fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import get_algorithm
+from deepspec.drafts.checkpoint import save_draft
+from deepspec.errors import ConfigError
+from deepspec.export.writers import export_draft
+from deepspec.targets import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sglang_side():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_side.sh")], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _ckpt(tmp_path, family, algorithm, name="ckpt", qk_norm=None, **fields):
+    from deepspec.drafts.layers import arch_from_target
+
+    fields.setdefault("target_layer_ids", [0, 2, 3])
+    cfg = ModelConfig(algorithm=algorithm, block_size=4, markov_rank=8, **fields)
+    torch.manual_seed(0)
+    cls = get_algorithm(algorithm)
+    if qk_norm is None:
+        draft = cls.from_target_config(tiny_config(family), cfg)
+    else:  # the draft layer style forced (Llama-style layers for a Qwen3 target)
+        draft = cls(arch_from_target(tiny_config(family), cfg, qk_norm=qk_norm), cfg, list(fields["target_layer_ids"]))
+    if algorithm == "eagle3":
+        draft.set_token_frequencies(torch.arange(320).float())
+    with torch.no_grad():  # random everywhere, norms included, so a swapped or skipped tensor shows
+        for n, p in draft.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+    prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
+    return draft, save_draft(draft, tmp_path / name, prov)
+
+
+def _probe(side, ckpt, out, verify_mode: str = "cap-accept") -> dict:
+    env = dict(os.environ, SGLANG_RAGGED_VERIFY_MODE=verify_mode)  # cap-accept: SGLang builds DSpark's confidence head
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py"), side, str(ckpt), str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    line = [x for x in r.stdout.splitlines() if x.startswith("SGLANG_PROBE ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    return json.loads(line[-1][len("SGLANG_PROBE "):])
+
+
+CASES = {
+    # EAGLE-3.1 with 4 taps (embeddings + 3 layers), a draft vocabulary and two layers
+    "eagle31-llama-4taps-2layers": ("llama", "eagle3", dict(target_layer_ids=[-1, 0, 2, 3], draft_vocab_size=100, num_draft_layers=2,
+                                                            fc_norm=True, norm_output=True)),
+    # EAGLE-3 (no fc_norm) for a Qwen3 target, Llama-style draft layers, full vocabulary
+    "eagle3-qwen3-target": ("qwen3", "eagle3", dict(fc_norm=False, norm_output=False, qk_norm=False)),
+    "dflash": ("qwen3", "dflash", dict(num_draft_layers=2, mask_token_id=259)),
+    "dspark-vanilla": ("qwen3", "dspark", dict(mask_token_id=259)),
+    "dspark-rnn": ("qwen3", "dspark", dict(mask_token_id=259, markov_head_type="rnn")),
+    "dspark-gated": ("qwen3", "dspark", dict(mask_token_id=259, markov_head_type="gated", confidence_head_with_markov=False)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_sglang_loads_and_runs_our_export(case, tmp_path, sglang_side, one_torch_thread):
+    family, algorithm, fields = CASES[case]
+    draft, ckpt = _ckpt(tmp_path, family, algorithm, **fields)
+    out = export_draft(ckpt, tmp_path / "sglang", "sglang", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    rep = _probe(sglang_side, ckpt, out)
+    allowed_unset = {"model.embed_tokens.weight"}  # shared with the target by SGLang's EAGLE worker
+    allowed_unset |= {f"model.layers.{i}.input_layernorm.weight" for i in range(1, 4)}  # SGLang's deeper layers use hidden_norm
+    # d2t becomes SGLang's hot_token_id (no parameter; checked below); t2d is read by nobody (SGLang skips it)
+    assert rep["unconsumed"] == (["d2t", "t2d"] if "d2t" in _tensors(out) else []), rep
+    assert set(rep["unset"]) <= allowed_unset, rep["unset"]
+    diffs = rep["max_abs_diff"]
+    print(case, rep["class"], diffs)
+    assert all(v < 1e-4 for v in diffs.values()), (rep["class"], diffs)
+    if algorithm == "eagle3":
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(draft.taps)  # SGLang adds the 1
+        assert "eagle_aux_hidden_state_layer_ids" not in cfg
+        assert rep["hot_token_id_matches_d2t"] is True
+    else:
+        assert cfg["dflash_config"]["target_layer_ids"] == list(draft.taps)
+    if algorithm == "dspark":
+        assert rep["markov_head"] == {"vanilla": "VanillaMarkov", "rnn": "RNNHead", "gated": "GatedMarkovHead"}[fields.get("markov_head_type", "vanilla")]
+        assert "speculators_model_type" not in cfg and cfg["architectures"] == ["Qwen3DSparkModel"]
+
+
+def _tensors(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_sglang_source_still_adds_one_to_eagle3_and_dflash_layer_ids(sglang_side):
+    """The export writes our taps because SGLang's targets add 1 themselves; fail loudly if that changes."""
+    models = Path(sglang_side) / "sglang" / "srt" / "models"
+    for target in ("llama.py", "qwen3.py"):
+        src = (models / target).read_text()
+        for hook in ("def set_eagle3_layers_to_capture", "def set_dflash_layers_to_capture"):
+            body = src.split(hook, 1)[1].split("\n    def ", 1)[0]
+            assert "val + 1 for val in layer_ids" in body, (target, hook)
+    runner = (Path(sglang_side) / "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py").read_text()
+    assert 'eagle_config[\n                "eagle_aux_hidden_state_layer_ids"\n            ]' in runner
+
+
+@pytest.mark.parametrize("family, fields, match", [
+    ("qwen3", dict(), "q/k RMSNorms"),  # a Qwen3 target's EAGLE-3 draft has Qwen3-style layers by default
+    ("llama", dict(norm_before_residual=True), "norm_before_residual"),
+])
+def test_sglang_refuses_eagle3_it_cannot_run(tmp_path, family, fields, match):
+    _, ckpt = _ckpt(tmp_path, family, "eagle3", **fields)
+    with pytest.raises(ConfigError, match=match):
+        export_draft(ckpt, tmp_path / "out", "sglang")
+    assert export_draft(ckpt, tmp_path / "vllm", "vllm").is_dir()  # vLLM runs it
+
+
+@pytest.mark.slow
+def test_sglang_dspark_without_confidence_head_runs_in_static_verify_mode(tmp_path, sglang_side):
+    """SGLang's default verify mode builds no confidence head, so a draft without one loads there (the
+    confidence-driven modes would refuse it: documented in docs/export.md)."""
+    _, ckpt = _ckpt(tmp_path, "qwen3", "dspark", mask_token_id=259, enable_confidence_head=False)
+    out = export_draft(ckpt, tmp_path / "out", "sglang", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["enable_confidence_head"] is False
+    rep = _probe(sglang_side, ckpt, out, verify_mode="static")
+    assert rep["unconsumed"] == [] and rep["unset"] == []
+    assert all(v < 1e-4 for v in rep["max_abs_diff"].values()), rep["max_abs_diff"]
