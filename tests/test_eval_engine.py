@@ -60,3 +60,21 @@ def test_vllm_engine_eval_random_eagle3(tmp_path, smollm2_dir):
     assert eng["engine_tau"] is not None and 1.0 <= eng["engine_tau"] <= 4.0
     assert eng["ours_tau_at_S"] is not None
     assert "Engine-backed" in (tmp_path / "eval" / "results.md").read_text()
+
+
+def test_dflash_is_served_and_compared_at_its_training_block():
+    """vLLM's DFlash drafts num_speculative_tokens + 1 slots and never reads block_size: S must be block_size - 1."""
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.engine import engine_speculative_tokens
+
+    dflash = {"algorithm": "dflash", "model": {"block_size": 8}}
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7"]), dflash) == 7
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=7"]), dflash) == 7
+    with pytest.raises(ConfigError, match="block_size=8"):
+        engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=3"]), dflash)
+    with pytest.raises(ConfigError, match="num_draft_tokens >= 7"):
+        engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=5"]), dflash)
+    eagle = {"algorithm": "eagle3", "model": {"ttt_length": 7}}
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=3"]), eagle) == 3
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=5"]), eagle) == 5

@@ -75,6 +75,9 @@ def test_dflash_layout(tmp_path, tiny_llama_dir):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"] == {"mask_token_id": 259, "target_layer_ids": [0, 2, 3], "causal": False}
     assert cfg["block_size"] == 4 and cfg["num_hidden_layers"] == 2
+    assert cfg["deepspec"]["num_speculative_tokens"] == 3  # vLLM must draft the whole block: block_size - 1
+    with pytest.raises(ConfigError, match="block_size=4"):
+        export_draft(_ckpt(tmp_path, "llama", "dflash", name="s5")[1], tmp_path / "out5", "vllm", num_speculative_tokens=5)
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         f"layers.{i}.{n}" for i in range(2) for n in LAYER + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]}
     assert set(w) == expected

@@ -20,7 +20,7 @@ from deepspec.log import get_logger, progress
 
 log = get_logger(__name__)
 
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # DSpark needs vLLM's GPU model runner
 
 
 def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) -> Path:
@@ -35,6 +35,28 @@ def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) 
         return Path(cfg.export.dir)
     out = Path(cfg.export.dir) if cfg.export.dir else out_dir / "export-vllm"
     return export_draft(checkpoint_dir, out, "vllm", target=target_path)
+
+
+def engine_speculative_tokens(cfg, meta: dict[str, Any]) -> int:
+    """S, the speculative tokens per round the engine runs and ours is compared at.
+
+    A DFlash draft is served with its training block (S = block_size - 1; a different
+    eval.engine_num_speculative_tokens is refused); otherwise S = eval.engine_num_speculative_tokens or
+    eval.num_draft_tokens. Ours must have drafted at least S tokens."""
+    from deepspec.export.serve import served_tokens
+
+    algo = meta.get("algorithm")
+    if algo == "dflash":
+        s = served_tokens(algo, meta["model"], cfg.eval.engine_num_speculative_tokens)
+    else:
+        s = cfg.eval.engine_num_speculative_tokens or cfg.eval.num_draft_tokens
+    if s > cfg.eval.num_draft_tokens:
+        raise ConfigError(
+            f"The engine drafts {s} tokens per round but eval.num_draft_tokens={cfg.eval.num_draft_tokens}: our numbers "
+            f"cannot be restricted to more tokens than we drafted; set eval.num_draft_tokens >= {s}"
+            + (" (a DFlash draft is served with its whole block)." if algo == "dflash" else " or lower eval.engine_num_speculative_tokens.")
+        )
+    return s
 
 
 def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, Any]:
@@ -111,14 +133,9 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     from deepspec.targets import load_tokenizer, resolve_target_path
 
     algo = meta.get("algorithm")
-    s = cfg.eval.engine_num_speculative_tokens or cfg.eval.num_draft_tokens
+    s = engine_speculative_tokens(cfg, meta)
     if cfg.eval.temperature != 0:
         log.warning("engine-backed eval at T=%g: engine and ours are both samples, expect statistical differences", cfg.eval.temperature)
-    if s > cfg.eval.num_draft_tokens:
-        raise ConfigError(
-            f"eval.engine_num_speculative_tokens={s} exceeds eval.num_draft_tokens={cfg.eval.num_draft_tokens}: our numbers "
-            "cannot be restricted to more tokens than we drafted; lower it or raise eval.num_draft_tokens."
-        )
     tokenizer = load_tokenizer(target_name, cfg.target.revision, cfg.target.trust_remote_code)
     by_task: dict[str, list] = {}
     for it in items:

@@ -205,8 +205,15 @@ def export_draft(
     fmt: str = "vllm",
     target: str | None = None,
     dtype: str = "bfloat16",
+    num_speculative_tokens: int | None = None,
 ) -> Path:
-    """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`."""
+    """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`.
+
+    `num_speculative_tokens`: the tokens per round the export is meant to be served with (recorded in
+    config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
+    block_size - 1)."""
+    from deepspec.export.serve import served_tokens
+
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -237,7 +244,8 @@ def export_draft(
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
-                       "provenance": meta.get("provenance", {}), "model": meta["model"]}
+                       "provenance": meta.get("provenance", {}), "model": meta["model"],
+                       "num_speculative_tokens": served_tokens(algo, meta["model"], num_speculative_tokens)}
     tensors = {}
     for k, v in weights.items():
         v = v.detach().cpu()
