@@ -74,3 +74,92 @@ def test_mhc_target_loads_by_name(tmp_path, monkeypatch):
     ids = torch.randint(0, 256, (1, 6))
     assert torch.allclose(target.model(ids).logits, ref(ids).logits, atol=1e-6)
     assert target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>user")
+
+
+# ------------------------------------------------------------------------ the DeepSeek-V4-Flash recipes on tiny-mhc
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and then it ran far away to find some food while birds sang".split()
+
+
+def _write_data(data_dir, n: int, name: str, seed: int) -> None:
+    import json
+    import random
+
+    rng = random.Random(seed)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / name, "w") as f:
+        for i in range(n):
+            conv = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
+                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(12, 30)))}]
+            f.write(json.dumps({"id": f"{name}-{i}", "conversations": conv}) + "\n")
+
+
+# Small sizes for every recipe: the tiny target has 6 layers (taps -1..4), hidden 64, 4 streams, vocabulary 320.
+SMALL = ["target.name=tiny-mhc", "target.dtype=float32", "target.device_map=null", "cache.max_length=96", "cache.dtype=bf16",
+         "train.max_steps=2", "train.global_batch_size=2", "train.micro_batch_size=2", "train.precision=fp32",
+         "train.val_every=2", "train.save_every=2", "train.val_max_samples=2", "train.warmup_ratio=0.0",
+         "logging.wandb=false", "eval.tasks=[heldout]", "eval.max_samples=1", "eval.max_new_tokens=12",
+         "eval.measure_speedup=false", "eval.num_workers=1"]
+RECIPES = {
+    "eagle3": ("config/eagle3/deepseek-v4-flash.yaml", ["model.target_layer_ids=[1,2,4]", "model.draft_vocab_size=64"]),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algo", sorted(RECIPES))
+def test_mhc_deepseek_v4_flash_recipe_end_to_end(algo, tmp_path, monkeypatch, one_torch_thread):
+    """The V4-Flash recipe on tiny-mhc: cache -> 2 training steps -> eval (ours) -> export, in this process.
+    The cache and the export record hc_mult and tap_reduction; the draft's fc reads W = H (mean) or S*H (concat)."""
+    import json
+
+    from deepspec.data.cache.format import load_manifest
+    from deepspec.drafts.checkpoint import load_draft
+    from deepspec.export.writers import export_draft
+    from deepspec.pipeline import run
+
+    monkeypatch.setenv("DEEPSPEC_CACHE", str(tmp_path / "dscache"))
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    data = tmp_path / "data"
+    _write_data(data, 8, "regenerated.jsonl", 0)
+    _write_data(data, 2, "regenerated.heldout.jsonl", 1)
+    _write_data(data, 2, "heldout.jsonl", 1)
+    recipe, extra = RECIPES[algo]
+    opts = [f"output_root={tmp_path / 'out'}", f"train.output_root={tmp_path / 'ckpt'}", f"data.dir={data}",
+            f"cache.dir={tmp_path / 'cache'}", *SMALL, *extra]
+    (res,) = run([str(REPO / recipe)], opts, stages=("cache", "train", "eval"), engine=False)
+    S, H = 4, 64
+    reduction = "mean" if algo == "eagle3" else "concat"
+    manifest = load_manifest(tmp_path / "cache" / "train")
+    assert (manifest["hc_mult"], manifest["tap_reduction"]) == (S, reduction)
+    assert res.checkpoint is not None and res.checkpoint.name == "step_2"
+    draft = load_draft(res.checkpoint)
+    width = H if reduction == "mean" else S * H
+    assert (draft.arch.target_hidden_size, draft.arch.target_hc_mult, draft.arch.tap_reduction) == (width, S, reduction)
+    assert draft.fc.in_features == len(draft.taps) * width
+    assert res.results["overall"]["rounds"] > 0 and res.results["overall"]["tau"] >= 1.0
+    out = export_draft(res.checkpoint, tmp_path / "export", "vllm", target="tiny-mhc")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["target_hc_mult"], cfg["tap_reduction"], cfg["target_hidden_size"]) == (S, reduction, width)
+    if algo == "eagle3":
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
+    else:
+        assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2, 3, 4]
+        assert draft.arch.layer_types == ["sliding_attention"] * 5 and draft.arch.sliding_window == 8
+
+
+def test_mhc_training_refuses_a_cache_with_another_tap_reduction(tmp_path, monkeypatch):
+    from deepspec.config import load_config
+    from deepspec.data.cache.writer import build_cache
+    from deepspec.errors import CacheError
+    from deepspec.train.build import open_cache_datasets
+
+    monkeypatch.setenv("DEEPSPEC_CACHE", str(tmp_path / "dscache"))
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    data = tmp_path / "data"
+    _write_data(data, 3, "regenerated.jsonl", 0)
+    recipe = REPO / "config/eagle3/deepseek-v4-flash.yaml"
+    opts = [f"data.dir={data}", f"cache.dir={tmp_path / 'cache'}", *SMALL, "model.target_layer_ids=[0,2]"]
+    build_cache(load_config(recipe, [*opts, "model.tap_reduction=concat"]), "train")
+    with pytest.raises(CacheError, match=r"tap_reduction: cache has 'concat', run wants 'mean' \(model.tap_reduction\)"):
+        open_cache_datasets(load_config(recipe, opts))
