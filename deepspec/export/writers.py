@@ -199,6 +199,19 @@ def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
         )
 
 
+def _engine_refusals(algo, meta, cfg, weights, draft) -> dict[str, str | None]:
+    from deepspec.export.sglang import BUILDERS
+
+    out: dict[str, str | None] = {}
+    for engine, check in (("vllm", lambda: _check_vllm(algo, meta)), ("sglang", lambda: BUILDERS[algo](dict(cfg), dict(weights), draft, meta))):
+        try:
+            check()
+            out[engine] = None
+        except ConfigError as e:
+            out[engine] = str(e)
+    return out
+
+
 def export_draft(
     checkpoint: str | Path,
     out: str | Path,
@@ -206,12 +219,14 @@ def export_draft(
     target: str | None = None,
     dtype: str = "bfloat16",
     num_speculative_tokens: int | None = None,
+    eval_results: str | Path | None = None,
 ) -> Path:
     """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`.
 
     `num_speculative_tokens`: the tokens per round the export is meant to be served with (recorded in
     config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
-    block_size - 1)."""
+    block_size - 1). `eval_results`: the eval results.json the model card (README.md) reports (default:
+    `<checkpoint>/eval/results.json`; absent = the card says "not measured")."""
     from deepspec.export.serve import served_tokens
 
     from safetensors.torch import save_file
@@ -235,9 +250,10 @@ def export_draft(
         cfg, weights = _dspark(draft, meta, target)
     else:
         raise ConfigError(f"Export does not know algorithm '{algo}'.")
-    if fmt == "vllm":
-        _check_vllm(algo, meta)
-    else:  # SGLang's layouts are rewrites of the vLLM ones (fields added above reach both)
+    engines = _engine_refusals(algo, meta, cfg, weights, draft)  # engine -> None (serves it as trained) or the reason
+    if engines[fmt]:
+        raise ConfigError(engines[fmt])
+    if fmt == "sglang":  # SGLang's layouts are rewrites of the vLLM ones (fields added above reach both)
         from deepspec.export.sglang import BUILDERS
 
         cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
@@ -259,6 +275,10 @@ def export_draft(
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        from deepspec.export.card import find_eval_results, model_card
+
+        n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
+        (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))
         recipe = Path(checkpoint) / "config.yaml"
         if recipe.is_file():  # the fully resolved training recipe travels with the export
             shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
