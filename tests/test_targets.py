@@ -193,3 +193,22 @@ def test_regeneration_runs_vllm_in_the_recipes_dtype(monkeypatch):
     assert seen["vllm_kwargs"]["dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
     create_engine(config_from_dict({"target": {"dtype": "auto"}, "data": {"regenerate": {"vllm_kwargs": {"dtype": "float16"}}}}), "vllm", [])
     assert seen["vllm_kwargs"]["dtype"] == "float16"
+
+
+def test_device_map_auto_loads_a_sharded_target(tmp_path):
+    """target.device_map=auto loads through accelerate's placement (everything on the CPU on a machine without GPUs)
+    and captures the same taps; an unknown placement is a ConfigError."""
+    from deepspec.config import config_from_dict
+    from deepspec.targets import load_target_from_config, save_tiny_target
+
+    folder = save_tiny_target(tmp_path / "moe", "qwen3_moe")
+    cfg = config_from_dict({"target": {"name": str(folder), "dtype": "float32", "device_map": "auto"}})
+    target = load_target_from_config(cfg.target, device="cpu")
+    assert {p.device.type for p in target.model.parameters()} <= {"cpu", "cuda"}
+    ref, _ = tiny_target("qwen3_moe")
+    ids = torch.randint(0, 256, (1, 9))
+    feats, _ = capture(target.model, ids, [0, 3])
+    want, _ = capture(ref, ids, [0, 3])
+    assert torch.allclose(feats, want, atol=1e-5)
+    with pytest.raises(ConfigError, match="target.device_map"):
+        config_from_dict({"target": {"device_map": "everywhere"}})
