@@ -85,7 +85,7 @@ def main() -> None:
         loss.backward()
         opt.step()
     train_s = time.perf_counter() - t0
-    train_metrics = {k: round(float(n / d), 4) for k, (n, d) in metrics.items() if k.startswith(("acc_cond", "top1", "greedy_tau", "expected_tau")) and float(d) > 0}
+    train_metrics = {k: round(float(n / d), 4) for k, (n, d) in metrics.items() if k.startswith(("alpha_tf", "top1", "greedy_tau", "expected_tau")) and float(d) > 0}
 
     # (a) offline greedy chains with our proposer
     draft.eval()

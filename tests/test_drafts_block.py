@@ -128,8 +128,8 @@ def test_dspark_loss_terms_and_metrics():
     ce, l1, conf = (float(m[k][0] / m[k][1]) for k in ("ce_loss", "l1_loss", "confidence_loss"))
     torch.testing.assert_close(loss, torch.tensor(0.1 * ce + 0.9 * l1 + 1.0 * conf), atol=1e-4, rtol=1e-4)
     assert 0 < l1 <= 2
-    assert float(m["acc_cond@1"][1]) == 6 and float(m["expected_tau"][1]) == 6
-    a1 = float(m["acc_cond@1"][0] / 6)
+    assert float(m["alpha_tf@1"][1]) == 6 and float(m["expected_tau"][1]) == 6
+    a1 = float(m["alpha_tf@1"][0] / 6)
     assert abs(a1 - (1 - 0.5 * float(m["l1_loss"][0]) / float(m["l1_loss"][1]))) < 0.5  # same TV scale
     loss.backward()
     assert d.confidence_head.proj.weight.grad is not None and d.markov_head.markov_w1.weight.grad is not None

@@ -113,10 +113,10 @@ def test_loss_metrics_and_gradients():
     assert not any("target" in n for n, _ in draft.named_parameters())
     # depth d predicts token r+1+d: loss-masked tokens 3..15 are all reachable at depth 1 (13 per
     # sequence), only tokens 5..15 at depth 4 (row r >= 0)
-    assert float(metrics["acc_cond@1"][1]) == 2 * 13
-    assert float(metrics["acc_cond@4"][1]) == 2 * 11
+    assert float(metrics["alpha_tf@1"][1]) == 2 * 13
+    assert float(metrics["alpha_tf@4"][1]) == 2 * 11
     for k in range(1, 5):
-        a = float(metrics[f"acc_cond@{k}"][0] / metrics[f"acc_cond@{k}"][1])
+        a = float(metrics[f"alpha_tf@{k}"][0] / metrics[f"alpha_tf@{k}"][1])
         assert 0.0 < a < 1.0
     tau = float(metrics["expected_tau"][0] / metrics["expected_tau"][1])
     assert 1.0 < tau < 5.0
@@ -142,10 +142,10 @@ def test_unlogged_training_steps_give_the_same_loss_and_gradients_without_the_fu
     assert grads_on.keys() == grads_off.keys() and grads_on
     for n in grads_on:
         torch.testing.assert_close(grads_off[n], grads_on[n], rtol=1e-5, atol=1e-6)
-    assert set(m_off) == {f"step_loss@{d}" for d in range(1, 5)}
-    assert {"acc_cond@1", "top1@1", "expected_tau", "greedy_tau"} <= set(m_on)
+    assert set(m_off) - {"_loss_weight"} == {f"step_loss@{d}" for d in range(1, 5)}
+    assert {"alpha_tf@1", "top1@1", "expected_tau", "greedy_tau"} <= set(m_on)
     draft.eval()
-    assert "acc_cond@1" in draft.loss(_batch(ids, taps, final, lm))[1]  # validation keeps every metric
+    assert "alpha_tf@1" in draft.loss(_batch(ids, taps, final, lm))[1]  # validation keeps every metric
     draft.train_metrics = True
 
 
@@ -179,8 +179,8 @@ def test_eagle31_flags_change_exactly_what_they_should():
         _setup("llama", fc_norm=True, norm_before_fc=True)
 
 
-def test_acc_cond_is_expected_acceptance_and_chunk_invariant():
-    """acc_cond@1 = sum_v min(p_draft(v), p_target(v)) with the full-vocab target distribution,
+def test_alpha_tf_is_expected_acceptance_and_chunk_invariant():
+    """alpha_tf@1 = sum_v min(p_draft(v), p_target(v)) with the full-vocab target distribution,
     whatever the row chunking of the target statistics."""
     _, draft, ids, taps, final = _setup("llama", draft_vocab_size=120)
     with torch.no_grad():
@@ -192,7 +192,7 @@ def test_acc_cond_is_expected_acceptance_and_chunk_invariant():
     for rows in (5, 100000):
         draft.model_cfg.vocab_chunk_rows = rows
         loss, m = draft.loss(_batch(ids, taps, final))
-        values.append((loss.detach(), m["acc_cond@1"][0], m["expected_tau"][0]))
+        values.append((loss.detach(), m["alpha_tf@1"][0], m["expected_tau"][0]))
     torch.testing.assert_close(values[0][1], alpha.sum(), atol=1e-4, rtol=1e-5)
     for a, b in zip(*values):
         torch.testing.assert_close(a, b)
@@ -305,7 +305,7 @@ def test_label_temperature_sharpens_the_loss_labels_not_the_metrics():
         expected = -(torch.softmax(sub / 0.5, -1) * torch.log_softmax(step0[:, : t - 2], -1)).sum(-1).mean()
     torch.testing.assert_close(loss05, expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(loss1, loss05)
-    torch.testing.assert_close(m1["acc_cond@1"][0], m05["acc_cond@1"][0])
+    torch.testing.assert_close(m1["alpha_tf@1"][0], m05["alpha_tf@1"][0])
     with pytest.raises(ConfigError, match="label_temperature"):
         ModelConfig(label_temperature=0.0).validate()
 

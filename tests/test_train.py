@@ -419,7 +419,7 @@ def test_wandb_and_tensorboard_series(reference):
     assert sorted(wb["train/loss"]) == list(range(1, STEPS + 1))
     assert all(wb["train/loss"][s] == pytest.approx(ref_losses[s]) for s in ref_losses)
     assert sorted(wb["val/expected_tau"]) == [3, 6] and all(1.0 <= v <= 8.0 for v in wb["val/expected_tau"].values())
-    assert "val/greedy_tau" in wb and "val/acc_cond@1" in wb
+    assert "val/greedy_tau" in wb and "val/alpha_tf@1" in wb
 
     ev = EventAccumulator(str(reference / "tensorboard"))
     ev.Reload()

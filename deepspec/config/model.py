@@ -82,6 +82,13 @@ class ModelConfig:
     confidence_threshold: float = 0.0
     # Full-vocabulary softmax/TV computed in chunks of this many rows (memory bound).
     vocab_chunk_rows: int = 1024
+    # Per draft layer: "full_attention" or "sliding_attention" (keys within `sliding_window` positions of
+    # the query: q_pos - k_pos < window, as HF/vLLM count it); null = every layer full. Exported as the
+    # draft config's layer_types / sliding_window.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # Recompute each draft layer in the backward instead of keeping its activations (long samples).
+    activation_checkpointing: bool = False
     # Gemma-style options, for targets that need them.
     logit_softcap: float | None = None
 
@@ -103,5 +110,15 @@ class ModelConfig:
             raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad:
+                raise ConfigError(f"model.layer_types has unknown entries {bad}; use full_attention or sliding_attention.")
+            if len(self.layer_types) != self.num_draft_layers:
+                raise ConfigError(
+                    f"model.layer_types lists {len(self.layer_types)} layers but model.num_draft_layers={self.num_draft_layers}; give one entry per draft layer."
+                )
+            if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+                raise ConfigError("model.layer_types has sliding_attention layers but model.sliding_window is not a positive integer; set it.")
         if self.init_from_target_layer is not None and self.init_from_target_layer < 0:
             raise ConfigError(f"model.init_from_target_layer must be a 0-based target layer index or null, got {self.init_from_target_layer}.")

@@ -28,18 +28,44 @@ if TYPE_CHECKING:
 
 @dataclass
 class DraftBatch:
-    """A right-padded training batch of cached (or online) target features."""
+    """A right-padded training batch of cached (or online) target features.
+
+    Packing (train.pack_tokens): one row may hold several samples back to back. Then
+    `position_ids` [B, T] int64 restarts at 0 at each sample's first token (RoPE positions) and
+    `segment_ids` [B, T] int64 numbers the samples of a row 0..n-1 (padding = -1). Drafts never let
+    attention, label shifts, anchors or blocks cross a segment boundary, so a packed batch gives the
+    same per-sample losses as the padded one. Both None = one sample per row starting at position 0.
+    """
 
     input_ids: torch.Tensor  # [B, T] int64
     loss_mask: torch.Tensor  # [B, T] bool: assistant tokens (the ones a draft should predict)
     attention_mask: torch.Tensor  # [B, T] bool: real (non-padding) tokens
     taps: torch.Tensor  # [B, T, n_taps, H_target] float: tap features in model.target_layer_ids order
     final_hidden: torch.Tensor  # [B, T, H_target] float: target's final normed hidden state
+    position_ids: torch.Tensor | None = None  # [B, T] int64, packed rows only
+    segment_ids: torch.Tensor | None = None  # [B, T] int64, packed rows only (-1 = padding)
+
+    def positions(self) -> torch.Tensor:
+        """RoPE positions [B, T]: the packed ones, else 0..T-1 per row."""
+        if self.position_ids is not None:
+            return self.position_ids
+        b, t = self.input_ids.shape
+        return torch.arange(t, device=self.input_ids.device).unsqueeze(0).expand(b, t)
+
+    def same_segment(self, shift: int) -> torch.Tensor | None:
+        """[B, T - shift] bool: token t + shift belongs to the same sample as token t (None when unpacked)."""
+        if self.segment_ids is None:
+            return None
+        s = self.segment_ids
+        return (s[:, shift:] == s[:, : s.shape[1] - shift]) & (s[:, shift:] >= 0)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DraftBatch":
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None:
+                out[f.name] = None
+                continue
             if dtype is not None and v.is_floating_point():
                 v = v.to(device=device, dtype=dtype, non_blocking=True)
             else:
@@ -54,7 +80,10 @@ class DraftBatch:
 
 # Metrics are (numerator, denominator) pairs so ranks reduce them token-weighted:
 # value = all_reduce(num) / all_reduce(den). Names are the project's metric names
-# (e.g. "acc_cond@1" conditional acceptance, "expected_tau"), never a bare "accept_rate".
+# (e.g. "alpha_tf@1" teacher-forced acceptance, "expected_tau"), never a bare "accept_rate".
+# The reserved key "_loss_weight" = (w, 1): the weight this micro-batch's mean loss gets in the
+# token-weighted global mean (EAGLE-3: supervised tokens; DFlash/DSpark: the sum of prediction weights).
+LOSS_WEIGHT = "_loss_weight"
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 

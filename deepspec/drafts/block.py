@@ -19,6 +19,7 @@ activation checkpointing, so the [rows, V] logits of a 150k vocabulary never exi
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspec.drafts.base import DraftBatch, Metrics, Proposer
+from deepspec.drafts.attention import block_attention, dense_block_mask
+from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
 from deepspec.drafts.vocab import sample_token
@@ -96,18 +98,30 @@ class BlockDraft(TargetBackedDraft):
         cos, sin = self.rotary(positions, ctx.dtype)
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
-    def backbone(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[KV], mask: torch.Tensor | None) -> torch.Tensor:
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[KV], mask, attn=None) -> torch.Tensor:
         """x [B, Q, H] block embeddings at `positions` -> final-normed hidden [B, Q, H].
-        mask [B, 1, Q, S+Q] covers the context keys then the block keys."""
+        mask [B, 1, Q, S+Q] covers the context keys then the block keys (one tensor, or a list with one per
+        layer; None = every key); attn(i, q, k_block, v_block, k_ctx, v_ctx) replaces it (training)."""
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, (kc, vc) in zip(self.layers, ctx_kv):
-            a = layer.self_attn
-            hq = layer.input_layernorm(x)
-            k, v = a.project_kv(hq, cos, sin)
-            k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
-            x = x + a.output(attend(a.project_q(hq, cos, sin), k, v, mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        ckpt = self.model_cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
+            layer_mask = mask[i] if isinstance(mask, (list, tuple)) else mask
+            fn = partial(self._layer, i, layer, layer_mask, attn)
+            x = checkpoint(fn, x, kc, vc, cos, sin, use_reentrant=False) if ckpt else fn(x, kc, vc, cos, sin)
         return self.norm(x)
+
+    @staticmethod
+    def _layer(i, layer, mask, attn, x, kc, vc, cos, sin):
+        a = layer.self_attn
+        hq = layer.input_layernorm(x)
+        q = a.project_q(hq, cos, sin)
+        k, v = a.project_kv(hq, cos, sin)
+        if attn is not None:
+            o = attn(i, q, k, v, kc, vc)
+        else:
+            o = attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
+        x = x + a.output(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         return softcap(h @ self.target_lm_head.to(h.dtype).T, self.arch.logit_softcap)
@@ -128,41 +142,55 @@ class BlockDraft(TargetBackedDraft):
         return 1.0, 0.0, 0.0
 
     # --- training ---------------------------------------------------------------------------------
-    def sample_anchors(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to num_anchors anchors per row among a with loss_mask[a] & loss_mask[a+1]; returns
-        (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep False)."""
+    def sample_anchors(
+        self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to num_anchors anchors per sample among a with loss_mask[a] & loss_mask[a+1] (same sample);
+        returns (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep False).
+        Outside training the draw comes from a fixed seed, so validation metrics are reproducible."""
         b, t = loss_mask.shape
         valid = torch.zeros_like(loss_mask, dtype=torch.bool)
         valid[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
-        a = max(1, min(self.model_cfg.num_anchors, t))
-        score = torch.rand(b, t, device=loss_mask.device).masked_fill(~valid, -1.0)
+        per_row = self.model_cfg.num_anchors
+        if segment_ids is not None:
+            valid[:, :-1] &= segment_ids[:, 1:] == segment_ids[:, :-1]
+            per_row *= int(segment_ids.max()) + 1  # num_anchors per packed sample (one host read per batch)
+        a = max(1, min(per_row, t))
+        if self.training:
+            score = torch.rand(b, t, device=loss_mask.device)
+        else:
+            gen = torch.Generator(device=loss_mask.device).manual_seed(self.VALIDATION_ANCHOR_SEED)
+            score = torch.rand(b, t, device=loss_mask.device, generator=gen)
+        score = score.masked_fill(~valid, -1.0)
         top = score.topk(a, dim=1)
         keep = top.values >= 0
         anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
         order = torch.where(keep, anchors, torch.full_like(anchors, t)).argsort(dim=1)
         return anchors.gather(1, order), keep.gather(1, order)
 
-    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, attention_mask: torch.Tensor):
-        """Block token ids / positions [B, A*K] and the attention mask [B, 1, A*K, T + A*K]."""
-        b, t = input_ids.shape
-        k = self.block_size
-        dev = input_ids.device
-        na = anchors.shape[1]
-        slot = torch.arange(k, device=dev)
-        ids = torch.full((b, na, k), self.mask_token_id, dtype=input_ids.dtype, device=dev)
-        ids[:, :, 0] = input_ids.gather(1, anchors)
-        pos = (anchors.unsqueeze(-1) + slot).reshape(b, na * k)
-        q_anchor = anchors.repeat_interleave(k, dim=1)  # [B, Q]
-        q_keep = keep.repeat_interleave(k, dim=1)
-        ctx_vis = (torch.arange(t, device=dev)[None, None, :] < q_anchor[:, :, None]) & attention_mask.bool()[:, None, :] & q_keep[:, :, None]
-        block_id = torch.arange(na, device=dev).repeat_interleave(k)
-        own = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)  # dummy blocks see only themselves (no NaN rows)
-        mask = torch.cat([ctx_vis, own], dim=2).unsqueeze(1)
-        return ids.reshape(b, na * k), pos, mask
+    VALIDATION_ANCHOR_SEED = 1234
 
-    def block_labels(self, input_ids, loss_mask, attention_mask, anchors, keep):
+    def _block_ids_pos(self, input_ids: torch.Tensor, anchors: torch.Tensor, positions: torch.Tensor | None = None):
+        """Block token ids [B, A*K] ([token a, MASK x (K-1)]) and their RoPE positions (anchor's + slot)."""
+        b, _ = input_ids.shape
+        k = self.block_size
+        na = anchors.shape[1]
+        slot = torch.arange(k, device=input_ids.device)
+        ids = torch.full((b, na, k), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        ids[:, :, 0] = input_ids.gather(1, anchors)
+        base = anchors if positions is None else positions.gather(1, anchors)
+        return ids.reshape(b, na * k), (base.unsqueeze(-1) + slot).reshape(b, na * k)
+
+    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, attention_mask: torch.Tensor):
+        """Block token ids / positions [B, A*K] and the dense attention mask [B, 1, A*K, T + A*K] (the reference
+        the masked-free training attention is tested against)."""
+        ids, pos = self._block_ids_pos(input_ids, anchors)
+        mask = dense_block_mask(anchors, torch.zeros_like(anchors), keep, attention_mask, self.block_size)
+        return ids, pos, mask
+
+    def block_labels(self, input_ids, loss_mask, attention_mask, anchors, keep, segment_ids=None):
         """Prediction p of anchor a targets token a+1+p. Returns (labels [B, A, P], eval_mask [B, A, P]:
-        the contiguous supervised prefix, label positions clamped to T-1 [B, A, P])."""
+        the contiguous supervised prefix within the anchor's sample, label positions clamped to T-1 [B, A, P])."""
         b, t = input_ids.shape
         na, p_n = anchors.shape[1], self.num_predictions
         label_pos = anchors.unsqueeze(-1) + 1 + torch.arange(p_n, device=anchors.device)
@@ -170,17 +198,27 @@ class BlockDraft(TargetBackedDraft):
         flat = lp.view(b, -1)
         labels = input_ids.gather(1, flat).view(b, na, p_n)
         ok = (label_pos < t) & loss_mask.bool().gather(1, flat).view(b, na, p_n) & attention_mask.bool().gather(1, flat).view(b, na, p_n)
+        if segment_ids is not None:
+            ok = ok & (segment_ids.gather(1, flat).view(b, na, p_n) == segment_ids.gather(1, anchors).unsqueeze(-1))
         ok = ok & keep.unsqueeze(-1)
         return labels, ok.long().cumprod(dim=-1).bool(), lp
 
     def block_hidden(self, batch: DraftBatch, anchors: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of every block slot: [B, A, K, H]."""
+        """Final hidden states of every block slot: [B, A, K, H]. Blocks see context rows of their own sample
+        before the anchor (block_attention: no dense mask)."""
         b, t = batch.input_ids.shape
-        ids, pos, mask = self.block_inputs(batch.input_ids, anchors, keep, batch.attention_mask)
+        positions = batch.positions()
+        ids, pos = self._block_ids_pos(batch.input_ids, anchors, positions)
+        # a packed sample starts where its positions restart: anchor row - anchor position
+        ctx_start = torch.zeros_like(anchors) if batch.position_ids is None else anchors - positions.gather(1, anchors)
         ctx = self.context(batch.taps)
-        ctx_pos = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
         x = self.embed(ids).to(ctx.dtype)
-        h = self.backbone(x, pos, self.context_kv(ctx, ctx_pos), mask)
+        am = batch.attention_mask.bool()
+
+        def attn(i, q, kb, vb, kc, vc):
+            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i))
+
+        h = self.backbone(x, pos, self.context_kv(ctx, positions), None, attn=attn)
         return h.view(b, anchors.shape[1], self.block_size, -1)
 
     def loss(self, batch: DraftBatch, anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
@@ -188,13 +226,13 @@ class BlockDraft(TargetBackedDraft):
         b, t = ids.shape
         dev = ids.device
         if anchors is None:
-            anchors, keep = self.sample_anchors(lm, am)
+            anchors, keep = self.sample_anchors(lm, am, batch.segment_ids)
         elif keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         na, p_n = anchors.shape[1], self.num_predictions
         h = self.block_hidden(batch, anchors, keep)[:, :, self.first_slot :]  # [B, A, P, H]
         p_idx = torch.arange(p_n, device=dev)
-        labels, eval_mask, lp = self.block_labels(ids, lm, am, anchors, keep)
+        labels, eval_mask, lp = self.block_labels(ids, lm, am, anchors, keep, batch.segment_ids)
         prev = ids.gather(1, (lp - 1).view(b, -1)).view(b, na, p_n)  # token a+p, the one before each label
         z = self._head_features(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
         conf = self._confidence_logit(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
@@ -228,6 +266,7 @@ class BlockDraft(TargetBackedDraft):
             metrics["confidence_abs_error"] = (err.sum(), torch.tensor(float(err.numel()), device=dev))
         metrics.update(self._depth_metrics(alpha, top, rows_depth, eval_mask))
         metrics["anchors"] = (keep.sum().float(), torch.tensor(float(b), device=dev))
+        metrics[LOSS_WEIGHT] = (rows_w.sum().detach(), torch.ones((), device=dev))
         return total, metrics
 
     def _row_terms(self, h, z, fh, labels):
@@ -263,7 +302,7 @@ class BlockDraft(TargetBackedDraft):
         return ce, l1, alpha, top
 
     def _depth_metrics(self, alpha, top, depth, eval_mask) -> Metrics:
-        """acc_cond@k / top1@k per prediction depth over supervised predictions (teacher-forced prefix);
+        """alpha_tf@k / top1@k per prediction depth over supervised predictions (teacher-forced prefix);
         expected_tau / greedy_tau per block = 1 + sum_k prod_{i<=k} alpha_i over its supervised prefix
         (blocks with at least one supervised prediction); survival@k = mean prod_{i<=k} alpha_i."""
         out: Metrics = {}
@@ -278,7 +317,7 @@ class BlockDraft(TargetBackedDraft):
         m = eval_mask.reshape(-1, p_n).float()
         for k in range(p_n):
             cnt = m[:, k].sum()
-            out[f"acc_cond@{k + 1}"] = ((a_full[:, k] * m[:, k]).sum(), cnt)
+            out[f"alpha_tf@{k + 1}"] = ((a_full[:, k] * m[:, k]).sum(), cnt)
             out[f"top1@{k + 1}"] = ((t_full[:, k] * m[:, k]).sum(), cnt)
         e_cum = torch.cumprod(torch.where(m.bool(), a_full, torch.zeros_like(a_full)), dim=1) * m
         g_cum = torch.cumprod(torch.where(m.bool(), t_full, torch.zeros_like(t_full)), dim=1) * m
@@ -340,7 +379,9 @@ class BlockProposer(Proposer):
         ids = torch.full((1, k), d.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = int(input_ids[-1])
         pos = torch.arange(anchor, anchor + k, device=dev).unsqueeze(0)
-        h = d.backbone(d.embed(ids).to(dtype), pos, self.ctx_kv, None)[0, d.first_slot :]
+        keys = torch.cat([torch.arange(anchor, device=dev), pos[0]])
+        mask = [None if d.arch.window(i) is None else (pos[0, :, None] - keys[None, :] < d.arch.window(i))[None, None] for i in range(len(d.layers))]
+        h = d.backbone(d.embed(ids).to(dtype), pos, self.ctx_kv, mask)[0, d.first_slot :]
         self.last_hidden = h
         toks, probs = d.draft_block(h, int(input_ids[-1]), num_tokens, temperature, generator)
         if not toks:

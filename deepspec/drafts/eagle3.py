@@ -13,15 +13,19 @@ the post-norm hidden state); legacy `norm_before_fc` (one RMSNorm over the conca
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from deepspec.drafts.base import DraftBatch, Metrics, Proposer
+from deepspec.drafts.attention import chain_attention, sample_ranges
+from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
+from deepspec.drafts.losses import soft_ce, target_full_stats
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import build_draft_vocab, sample_token, target_ids_of_draft_vocab
 from deepspec.errors import ConfigError
@@ -169,6 +173,10 @@ class Eagle3Draft(TargetBackedDraft):
             att.o_proj.weight[:, (q + 1) * hd : (q + per) * hd] *= 0.1
         self.midlayer.mlp.down_proj.weight.mul_(0.1)
 
+    @property
+    def num_layers_total(self) -> int:
+        return 1 + len(self.layers)
+
     def draft_target_ids(self) -> torch.Tensor:
         return target_ids_of_draft_vocab(self.d2t)
 
@@ -194,54 +202,81 @@ class Eagle3Draft(TargetBackedDraft):
         return taps + (torch.rand_like(taps) * 2 - 1) * (a * rms)
 
     def step(
-        self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past: list[KV] | None, mask: torch.Tensor
+        self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past: list[KV] | None, mask
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
         """One draft forward over T query rows. Returns (logits [B,T,Dv], hidden for the next step, new K/V per layer).
 
-        `past[i]` are layer i's keys/values the queries may attend to (mask covers past + new keys).
-        """
+        `past[i]` are layer i's keys/values the queries may attend to; `mask` (boolean, past + new keys) is one
+        tensor for every layer or a list with one per layer (sliding layers see fewer keys); None = all keys."""
         return self._step(emb, hidden, position_ids, past, mask)[:3]
 
-    def _step(self, emb, hidden, position_ids, past, mask):
-        """`step` plus the final normed state (what the LM head reads), for the hidden-state loss."""
+    def _step(self, emb, hidden, position_ids, past, mask, attn=None, head: bool = True):
+        """`step` plus the final normed state (what the LM head reads), for the hidden-state loss.
+
+        attn(i, q, k, v) -> output replaces layer i's masked attention (the training chain); head=False
+        skips the LM head (the chunked loss applies it itself) and returns logits None."""
         cos, sin = self.rotary(position_ids, emb.dtype)
         new_kv: list[KV] = []
         layer = self.midlayer
         residual = layer.hidden_norm(hidden) if self.model_cfg.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         mlp_out = None
+        ckpt = self.model_cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate([self.midlayer, *self.layers]):
             if i > 0:
                 residual = residual + mlp_out
                 x = layer.input_layernorm(residual)
-            attn = layer.self_attn
-            q = attn.project_q(x, cos, sin)
-            k, v = attn.project_kv(x, cos, sin)
+            layer_mask = mask[i] if isinstance(mask, (list, tuple)) else mask
+            fn = partial(self._layer, i, layer, None if past is None else past[i], layer_mask, attn)
+            if ckpt:
+                residual, mlp_out, k, v = checkpoint(fn, x, residual, cos, sin, use_reentrant=False)
+            else:
+                residual, mlp_out, k, v = fn(x, residual, cos, sin)
             new_kv.append((k, v))
-            if past is not None:
-                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
-            residual = residual + attn.output(attend(q, k, v, mask))
-            mlp_out = layer.mlp(layer.post_attention_layernorm(residual))
         out = residual + mlp_out
         normed = self.norm(out)
-        logits = softcap(self.lm_head(normed), self.arch.logit_softcap)
+        logits = softcap(self.lm_head(normed), self.arch.logit_softcap) if head else None
         return logits, (normed if self.model_cfg.norm_output else out), new_kv, normed
 
+    @staticmethod
+    def _layer(i, layer, past, mask, attn, x, residual, cos, sin):
+        a = layer.self_attn
+        q = a.project_q(x, cos, sin)
+        k, v = a.project_kv(x, cos, sin)
+        if attn is not None:
+            o = attn(i, q, k, v)
+        else:
+            kk, vv = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+            o = attend(q, kk, vv, mask)
+        residual = residual + a.output(o)
+        return residual, layer.mlp(layer.post_attention_layernorm(residual)), k, v
+
     # --- training ---------------------------------------------------------------------------------
-    def ttt_steps(self, input_ids: torch.Tensor, taps: torch.Tensor, with_normed: bool = False):
+    def ttt_steps(
+        self,
+        input_ids: torch.Tensor,
+        taps: torch.Tensor,
+        with_normed: bool = False,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        heads: bool = True,
+    ):
         """Yield (k, logits [B, T, Dv]) for TTT steps k = 0..ttt_length-1 (rows >= T-1-k are padding);
-        with_normed: (k, logits, final normed state [B, T, H]).
+        with_normed: (k, logits, final normed state [B, T, H]); heads=False: logits None (the loss applies
+        the LM head chunk by chunk and may `send` the draft's own next inputs [B, T-2-k] back).
 
         Row r at step k reads token r+1+k and the previous step's hidden state of row r, at RoPE
-        position r+k; it attends to step-0 keys of rows <= r and to row r's keys of steps 1..k.
+        position r+k (packed rows: position_ids[r] + k); it attends to step-0 keys of rows <= r of its own
+        sample and to row r's keys of steps 1..k (chain_attention: no dense mask).
         """
         b, t = input_ids.shape
         dev = input_ids.device
         hidden = self.combine_taps(taps.to(self.fc.weight.dtype))
-        pos = torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
-        base_mask = causal_mask(torch.arange(t, device=dev), torch.arange(t, device=dev))
-        eye = torch.eye(t, dtype=torch.bool, device=dev)
-        past: list[KV] | None = None
+        pos = position_ids if position_ids is not None else torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
+        ranges = sample_ranges(segment_ids, b, t)
+        n_layers = 1 + len(self.layers)
+        step0: list[KV] = []
+        diags: list[list[KV]] = [[] for _ in range(n_layers)]
         own_inputs = self.training and self.model_cfg.ttt_inputs == "draft"
         draft_tids = self.draft_target_ids() if own_inputs else None
         own: torch.Tensor | None = None
@@ -254,107 +289,108 @@ class Eagle3Draft(TargetBackedDraft):
             # step k-1 guess for that very position, as a served chain would feed it.
             shifted[:, :n] = input_ids[:, 1 + k :] if own is None else own[:, :n]
             emb = self.embed(shifted).to(hidden.dtype)
-            mask = torch.cat([base_mask] + [eye] * k, dim=1)[None, None]
-            logits, hidden, kv, normed = self._step(emb, hidden, pos + k, past, mask)
+
+            # the keys as of this step (bound now: activation checkpointing calls this again in the backward)
+            def attn(i, q, kk, vv, k=k, s0=list(step0), dg=[list(x) for x in diags]):
+                w = self.arch.window(i)
+                if k == 0:
+                    return chain_attention(q, kk, vv, [], ranges, w)
+                return chain_attention(q, s0[i][0], s0[i][1], dg[i] + [(kk, vv)], ranges, w)
+
+            logits, hidden, kv, normed = self._step(emb, hidden, pos + k, None, None, attn=attn, head=heads)
+            if k == 0:
+                step0 = kv
+            else:
+                for i, x in enumerate(kv):
+                    diags[i].append(x)
+            sent = yield (k, logits, normed) if with_normed else (k, logits)
             if own_inputs:
                 with torch.no_grad():
-                    own = draft_tids[logits.argmax(-1)]
-            past = kv if past is None else [(torch.cat([p[0], x[0]], 2), torch.cat([p[1], x[1]], 2)) for p, x in zip(past, kv)]
-            yield (k, logits, normed) if with_normed else (k, logits)
+                    own = sent if sent is not None else draft_tids[logits.argmax(-1)]
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, Metrics]:
         ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
         b, t = ids.shape
         dev = ids.device
         draft_tids = self.draft_target_ids()
-        # The loss needs the target's logits on the draft vocabulary only; the full-vocabulary head
-        # (acceptance and top-1 metrics) is ~1/4 of a quickstart step, so unlogged training steps skip it.
+        cfg = self.model_cfg
+        chunk = max(1, int(cfg.vocab_chunk_rows))
+        cap = self.arch.logit_softcap
+        # The loss needs the target's logits on the draft vocabulary only (computed chunk by chunk inside
+        # soft_ce); the full-vocabulary head (acceptance and top-1 metrics) is ~1/4 of a quickstart step,
+        # so unlogged training steps skip it.
         with_metrics = self.train_metrics or not self.training
-        with torch.no_grad():
-            # Target row i is only ever a label for token i+1, so rows whose next token is not
-            # supervised are never read: skip their LM head (the dominant cost).
-            need = torch.zeros(b, t, dtype=torch.bool, device=dev)
-            need[:, :-1] = lm[:, 1:] & am[:, 1:]
-            p_sub, p_full, t_top = self._target_stats(batch.final_hidden, draft_tids, need, full_vocab=with_metrics)
+        fh = batch.final_hidden
+        target_rows = self.target_lm_head[draft_tids]
+        lse_full = t_top = None
+        if with_metrics:
+            with torch.no_grad():
+                lse_full, t_top = target_full_stats(fh.reshape(b * t, -1), self.target_lm_head, cap, chunk)
+                lse_full, t_top = lse_full.view(b, t), t_top.view(b, t)
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
-        hidden_w = self.model_cfg.hidden_loss_weight
-        for k, logits, normed in self.ttt_steps(ids, batch.taps, with_normed=True):
+        hidden_w = cfg.hidden_loss_weight
+        weight0 = torch.zeros((), device=dev)
+        gen = self.ttt_steps(ids, batch.taps, with_normed=True, position_ids=batch.position_ids, segment_ids=batch.segment_ids, heads=False)
+        item = next(gen, None)
+        while item is not None:
+            k, _, normed = item
             n = t - 1 - k
             # row r (< n-1) predicts token r+2+k; its target distribution is row r+1+k of the target.
-            m = n - 1
+            m = max(n - 1, 0)
             valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
             if m > 0:
                 valid[:, :m] = lm[:, 2 + k :] & am[:, 2 + k :]
-            lg = logits[:, :m].float()
-            logp = torch.log_softmax(lg, dim=-1)
-            ce = -(p_sub[:, 1 + k : 1 + k + m] * logp).sum(-1)
+                same = batch.same_segment(2 + k)
+                if same is not None:
+                    valid[:, :m] &= same
             v = valid[:, :m].float()
             cnt = v.sum()
-            step_loss = (ce * v).sum() / cnt.clamp(min=1)
+            decay = cfg.step_loss_decay**k
+            ce_w, ce, arg, alpha, top = soft_ce(
+                normed[:, :m].reshape(b * m, -1),
+                self.lm_head.weight,
+                (v * (decay / cnt.clamp(min=1))).reshape(-1),
+                fh[:, 1 + k : 1 + k + m].reshape(b * m, -1),
+                target_rows,
+                chunk=chunk,
+                label_temperature=cfg.label_temperature,
+                draft_softcap=cap,
+                target_softcap=cap,
+                lse_full=None if lse_full is None else lse_full[:, 1 + k : 1 + k + m].reshape(-1),
+                target_top=None if t_top is None else t_top[:, 1 + k : 1 + k + m].reshape(-1),
+                draft_tids=draft_tids,
+            )
+            ce = ce.view(b, m)
+            total = total + ce_w
             if hidden_w > 0 and m > 0:
                 # EAGLE-1's feature loss: the draft's normed state should be the target's next final state
                 # (the draft LM head starts as the target's rows, so matching it reproduces the target's logits).
-                diff = normed[:, :m].float() - batch.final_hidden[:, 1 + k : 1 + k + m].float()
+                diff = normed[:, :m].float() - fh[:, 1 + k : 1 + k + m].float()
                 h_loss = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none").mean(-1)
-                step_loss = step_loss + hidden_w * (h_loss * v).sum() / cnt.clamp(min=1)
-            total = total + (self.model_cfg.step_loss_decay**k) * step_loss
+                total = total + decay * hidden_w * (h_loss * v).sum() / cnt.clamp(min=1)
+            if k == 0:
+                weight0 = cnt.detach()
             d = k + 1
             metrics[f"step_loss@{d}"] = ((ce * v).sum().detach(), cnt.detach())
-            if not with_metrics:
-                continue
-            with torch.no_grad():
-                pd = logp.exp()
-                alpha = torch.minimum(pd, p_full[:, 1 + k : 1 + k + m]).sum(-1)
-                top = (draft_tids[lg.argmax(-1)] == t_top[:, 1 + k : 1 + k + m]).float()
+            if with_metrics:
                 a_full = torch.zeros(b, t, device=dev)
-                a_full[:, :m] = alpha
+                a_full[:, :m] = alpha.view(b, m)
                 t_full = torch.zeros(b, t, device=dev)
-                t_full[:, :m] = top
-            alphas.append(a_full)
-            tops.append(t_full)
-            valids.append(valid)
-            metrics[f"acc_cond@{d}"] = ((alpha * v).sum(), cnt.detach())
-            metrics[f"top1@{d}"] = ((top * v).sum(), cnt.detach())
+                t_full[:, :m] = top.view(b, m)
+                alphas.append(a_full)
+                tops.append(t_full)
+                valids.append(valid)
+                metrics[f"alpha_tf@{d}"] = ((alpha.view(b, m) * v).sum(), cnt.detach())
+                metrics[f"top1@{d}"] = ((top.view(b, m) * v).sum(), cnt.detach())
+            try:
+                item = gen.send(draft_tids[arg.view(b, m)])
+            except StopIteration:
+                item = None
         metrics.update(self._tau_metrics(alphas, tops, valids))
+        metrics[LOSS_WEIGHT] = (weight0, torch.ones((), device=dev))
         return total, metrics
-
-    def _target_stats(
-        self, final_hidden: torch.Tensor, draft_tids: torch.Tensor, need: torch.Tensor | None = None, full_vocab: bool = True
-    ):
-        """Target distribution pieces on the draft vocabulary, computed in row chunks so the full
-        [B, T, V] logits never exist at once: (soft labels renormalised on the draft vocab,
-        full-vocab probabilities of the draft tokens, full-vocab argmax). Rows outside `need`
-        (a [B, T] bool mask) are left zero (argmax -1): callers never read them.
-        full_vocab=False: only the LM head's draft-vocabulary rows run; the last two are None."""
-        b, t, _ = final_hidden.shape
-        if need is not None and not bool(need.all()):
-            rows = need.reshape(-1).nonzero().squeeze(1)
-            sub, pf, top = self._target_stats(final_hidden.reshape(1, b * t, -1)[:, rows], draft_tids, full_vocab=full_vocab)
-            out_sub = sub.new_zeros(b * t, sub.shape[-1])
-            out_sub[rows] = sub[0]
-            if not full_vocab:
-                return out_sub.view(b, t, -1), None, None
-            out_pf = pf.new_zeros(b * t, pf.shape[-1])
-            out_top = top.new_full((b * t,), -1)
-            out_pf[rows], out_top[rows] = pf[0], top[0]
-            return out_sub.view(b, t, -1), out_pf.view(b, t, -1), out_top.view(b, t)
-        flat = final_hidden.reshape(b * t, -1)
-        if not full_vocab:
-            # the output is [rows, draft vocab] either way: one product, one gather of the head's rows
-            sub = self.target_logits(flat, rows=draft_tids).view(b, t, -1)
-            return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), None, None
-        chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
-        subs, lses, tops = [], [], []
-        for i in range(0, b * t, chunk):
-            tl = self.target_logits(flat[i : i + chunk])
-            lses.append(torch.logsumexp(tl, dim=-1))
-            tops.append(tl.argmax(-1))
-            subs.append(tl[:, draft_tids])
-        sub = torch.cat(subs).view(b, t, -1)
-        lse = torch.cat(lses).view(b, t, 1)
-        return torch.softmax(sub / self.model_cfg.label_temperature, dim=-1), torch.exp(sub - lse), torch.cat(tops).view(b, t)
 
     @staticmethod
     def _tau_metrics(alphas: list[torch.Tensor], tops: list[torch.Tensor], valids: list[torch.Tensor]) -> Metrics:
@@ -416,7 +452,8 @@ class Eagle3Proposer(Proposer):
             emb = d.embed(input_ids[start + 1 : total].unsqueeze(0)).to(dtype)
             hidden = d.combine_taps(new_taps.to(device=dev, dtype=dtype).unsqueeze(0))
             pos = torch.arange(start, total - 1, device=dev)
-            mask = causal_mask(pos, torch.arange(total - 1, device=dev))[None, None]
+            keys = torch.arange(total - 1, device=dev)
+            mask = [causal_mask(pos, keys, d.arch.window(i))[None, None] for i in range(d.num_layers_total)]
             logits, hid, kv = d.step(emb, hidden, pos.unsqueeze(0), self.cache, mask)
             self.cache = kv if self.cache is None else [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(self.cache, kv)]
             self.n = total - 1
@@ -435,7 +472,9 @@ class Eagle3Proposer(Proposer):
                 break
             emb = d.embed(torch.tensor([[tok]], device=dev)).to(dtype)
             pos = torch.tensor([[total - 1 + j]], device=dev)
-            step_logits, hid, kv = d.step(emb, hid, pos, cache, None)
+            keys = torch.arange(total + j, device=dev)  # cache rows 0..total-2, then the chain at total-1..
+            mask = [None if d.arch.window(i) is None else causal_mask(pos[0], keys, d.arch.window(i))[None, None] for i in range(d.num_layers_total)]
+            step_logits, hid, kv = d.step(emb, hid, pos, cache, mask)
             cache = [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(cache, kv)]
             logits = step_logits[0, -1]
         return torch.tensor(tokens, dtype=torch.long), torch.stack(probs).cpu()

@@ -43,6 +43,15 @@ class DraftArch:
     # Gemma-style options: RMSNorm scales by (1 + weight); embeddings are multiplied by sqrt(hidden).
     norm_offset: float = 0.0
     embed_scale: float = 1.0
+    # per draft layer "full_attention" / "sliding_attention" (None = all full); window in positions
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a key is visible iff q_pos - k_pos < window), None = full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +123,8 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
         target_model_type=model_type,
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=float(hidden) ** 0.5 if gemma else 1.0,
+        layer_types=list(model_cfg.layer_types) if getattr(model_cfg, "layer_types", None) else None,
+        sliding_window=getattr(model_cfg, "sliding_window", None),
     )
 
 
@@ -266,6 +277,9 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """[Tq, Tk] boolean: key position <= query position."""
-    return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[Tq, Tk] boolean: key position <= query position (and q_pos - k_pos < window for a sliding layer)."""
+    m = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        m = m & (q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window)
+    return m

@@ -1,6 +1,6 @@
 """Validation on the held-out cache: the draft's own metrics, reduced token-weighted across ranks.
 
-Drafts report, per depth k (1-based), the conditional acceptance `acc_cond@k` — the mean over
+Drafts report, per depth k (1-based), the teacher-forced acceptance `alpha_tf@k` — the mean over
 positions whose drafts 1..k-1 would be accepted of α = Σ_v min(p_draft, p_target) — and
 `expected_tau` (1 + Σ_k Π_{i≤k} α_i per position, averaged), plus the greedy simulated τ
 (`greedy_tau`: argmax drafts checked against the target's argmax). When a draft reports only the
@@ -19,11 +19,11 @@ from deepspec.train.batches import collate_fn
 from deepspec.train.dist import DistInfo, reduce_metrics
 
 BEST_KEY = "expected_tau"
-_ACC = re.compile(r"^acc_cond@(\d+)$")
+_ACC = re.compile(r"^alpha_tf@(\d+)$")
 
 
 def derive(metrics: dict[str, float]) -> dict[str, float]:
-    """Add expected_tau from acc_cond@k when the draft did not report it."""
+    """Add expected_tau from alpha_tf@k when the draft did not report it."""
     out = dict(metrics)
     if BEST_KEY not in out:
         accs = sorted((int(m.group(1)), v) for k, v in out.items() if (m := _ACC.match(k)))
