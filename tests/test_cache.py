@@ -482,6 +482,13 @@ def test_mhc_cache_stores_reduced_taps_and_records_them(data_root, mhc_dir, tmp_
         assert torch.allclose(item["final_hidden"], ref.last_hidden_state[0], atol=1e-5)
         batch = collate([ds[0], ds[1]])
         assert batch.taps.shape[-1] == item["taps"].shape[-1] and batch.final_hidden.shape[-1] == H
+        # online mode computes the same reduced features as the cache holds
+        from deepspec.data.cache.online import OnlineFeatures
+        from deepspec.data.cache.writer import Sample
+
+        sample = Sample("s0", item["input_ids"].numpy().astype(np.int32), item["loss_mask"].numpy().astype(np.uint8), False)
+        (online,) = OnlineFeatures(target.model, m["taps"], tap_reduction=reduction).features([sample])
+        assert torch.allclose(online["taps"], item["taps"], atol=1e-5) and online["final_hidden"].shape == (len(sample.input_ids), H)
         sizes[reduction] = m["bytes"] / m["counts"]["tokens"]
     # fp32 record: ids 4 + mask 1 + 4 * (n_taps * rows + 1) * H per token (+ alignment)
     assert sizes["concat"] > 3 * sizes["mean"]
