@@ -103,11 +103,13 @@ SMALL = ["target.name=tiny-mhc", "target.dtype=float32", "target.device_map=null
          "eval.measure_speedup=false", "eval.num_workers=1"]
 RECIPES = {
     "eagle3": ("config/eagle3/deepseek-v4-flash.yaml", ["model.target_layer_ids=[1,2,4]", "model.draft_vocab_size=64"]),
+    "dflash": ("config/dflash/deepseek-v4-flash.yaml", ["model.target_layer_ids=[0,1,2,3,4]", "model.num_anchors=8",
+                                                        "model.intermediate_size=64", "model.sliding_window=8"]),
 }
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("algo", sorted(RECIPES))
+@pytest.mark.parametrize("algo", ["eagle3", "dflash"])
 def test_mhc_deepseek_v4_flash_recipe_end_to_end(algo, tmp_path, monkeypatch, one_torch_thread):
     """The V4-Flash recipe on tiny-mhc: cache -> 2 training steps -> eval (ours) -> export, in this process.
     The cache and the export record hc_mult and tap_reduction; the draft's fc reads W = H (mean) or S*H (concat)."""
