@@ -154,6 +154,71 @@ def supervise_all_tokens(collate):
     return wrapped
 
 
+# Packing keeps padding under this share of the packed tensor, whatever the batch.
+MAX_PACK_PADDING = 0.05
+
+
+def pack_layout(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
+    """Which samples share each packed row (sample indices, in their original order within a row).
+
+    Rows = ceil(total / pack_tokens), filled longest-first into the emptiest row (balanced rows, so the
+    padding up to the longest row is small); while padding is >= 5% of the packed tensor, one row fewer
+    (one row has none), so a row may grow past the budget rather than pad."""
+    total = sum(lengths)
+    if not lengths:
+        return []
+    rows_n = max(1, min(len(lengths), -(-total // max(1, pack_tokens))))
+    while True:
+        rows: list[list[int]] = [[] for _ in range(rows_n)]
+        fill = [0] * rows_n
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            r = min(range(rows_n), key=lambda r: (fill[r], r))
+            rows[r].append(i)
+            fill[r] += lengths[i]
+        width = max(fill)
+        if rows_n == 1 or rows_n * width - total < MAX_PACK_PADDING * rows_n * width:
+            return [sorted(r) for r in rows if r]
+        rows_n -= 1
+
+
+def pack_batch(batch: DraftBatch, pack_tokens: int) -> DraftBatch:
+    """Repack a right-padded batch so rows hold several samples back to back (DraftBatch's packing contract:
+    position_ids restart per sample, segment_ids number the samples of a row, -1 = padding)."""
+    lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
+    layout = pack_layout(lengths, pack_tokens)
+    width = max(sum(lengths[i] for i in row) for row in layout)
+    rows_n = len(layout)
+
+    def empty(x: torch.Tensor, fill: int | bool = 0) -> torch.Tensor:
+        return torch.full((rows_n, width, *x.shape[2:]), fill, dtype=x.dtype)
+
+    ids, lm, am = empty(batch.input_ids), empty(batch.loss_mask, False), empty(batch.attention_mask, False)
+    taps, final = empty(batch.taps), empty(batch.final_hidden)
+    pos = torch.zeros(rows_n, width, dtype=torch.long)
+    seg = torch.full((rows_n, width), -1, dtype=torch.long)
+    for r, row in enumerate(layout):
+        at = 0
+        for j, i in enumerate(row):
+            n = lengths[i]
+            for dst, src in ((ids, batch.input_ids), (lm, batch.loss_mask), (am, batch.attention_mask), (taps, batch.taps), (final, batch.final_hidden)):
+                dst[r, at : at + n] = src[i, :n]
+            pos[r, at : at + n] = torch.arange(n)
+            seg[r, at : at + n] = j
+            at += n
+    return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final, position_ids=pos, segment_ids=seg)
+
+
+def packing(collate, pack_tokens: int):
+    """train.pack_tokens > 0: each collated micro-batch is repacked into rows of about pack_tokens tokens."""
+    if not pack_tokens:
+        return collate
+
+    def wrapped(items: list[Any]) -> DraftBatch:
+        return pack_batch(collate(items), pack_tokens)
+
+    return wrapped
+
+
 def sample_lengths(dataset: Any) -> list[int] | None:
     """Per-sample token counts when the dataset knows them without loading features."""
     for name in ("lengths", "sample_lengths"):
