@@ -166,3 +166,23 @@ def test_multi_turn_sharegpt_is_regenerated_turn_by_turn(tmp_path, tiny_llama_di
         old = [m["content"] for m in src["conversations"] if m["role"] == "assistant"]
         new = [m["content"] for m in out if m["role"] == "assistant"]
         assert not set(new) & set(old)  # the answers are the target's own, not ShareGPT's
+
+
+def test_eval_prompts_may_be_held_out_but_never_trained_on(tmp_path):
+    evals = tmp_path / "eval_datasets"
+    evals.mkdir()
+    (evals / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [f"word problem {i}"], "id": f"g{i}"}) + "\n" for i in range(6)))
+    f = tmp_path / "math.jsonl"  # the eval prompts mixed with fresh ones in one file
+    f.write_text((evals / "gsm8k.jsonl").read_text() + "".join(json.dumps({"prompt": f"fresh {i}"}) + "\n" for i in range(20)))
+    cfg = load_config(None, [f"data.dir={tmp_path / 'data'}", f"eval.datasets_dir={evals}", "data.prompts.heldout=0",
+                             "data.prompts.sources=" + json.dumps([
+                                 {"source": str(f), "count": 10, "split": "general", "name": "math-held"},
+                                 {"source": str(f), "name": "math-train"}])])
+    build_prompts(cfg)
+    held = read_jsonl(heldout_split_path(cfg, "general"))
+    train = read_jsonl(cfg.conversations_path)
+    texts = lambda rows: [r["conversations"][0]["content"] for r in rows]  # noqa: E731
+    assert len(held) == 10 and any(t.startswith("word problem") for t in texts(held))  # eval prompts may be held out
+    assert not any(t.startswith("word problem") for t in texts(train))  # never trained on
+    assert len(train) == 20 - sum(t.startswith("fresh") for t in texts(held))
+    assert json.loads((cfg.data_dir / "prompts_summary.json").read_text())["counts"]["eval_overlap"] == 6

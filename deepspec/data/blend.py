@@ -124,7 +124,8 @@ def draw(specs: list[SourceSpec], collector, seed: int, max_samples: int | None)
     report: list[dict] = []
     for key, group in groups.items():
         first = group[0]
-        rows = collector.take(iter_source(first.source, first.files, first.hf_split))
+        rows = collector.take(iter_source(first.source, first.files, first.hf_split),
+                              keep_eval_overlap=any(s.split != TRAIN for s in group))
         random.Random(f"{seed}:{first.source}:{'|'.join(first.files)}").shuffle(rows)
         used = [False] * len(rows)
         for s in sorted(group, key=lambda s: s.split == TRAIN):  # held-out entries draw first
@@ -135,6 +136,8 @@ def draw(specs: list[SourceSpec], collector, seed: int, max_samples: int | None)
                     break
                 if used[i] or (s.subset is not None and record_subset(r) not in s.subset):
                     continue
+                if s.split == TRAIN and r["id"] in collector.eval_overlap_ids:
+                    continue  # an eval benchmark's prompt may be held out, never trained on
                 used[i] = True
                 picked.append({**r, "meta": {**r["meta"], "blend_source": s.name}})
             if s.subset is not None and not picked:

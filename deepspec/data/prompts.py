@@ -111,8 +111,11 @@ class _Collector:
         self.issues: list[str] = []
         self.seen_keys: set[str] = set()
         self.seen_ids: set[str] = set()
+        self.eval_overlap_ids: set[str] = set()  # kept rows that are also eval prompts (held-out use only)
 
-    def take(self, raws) -> list[dict[str, Any]]:
+    def take(self, raws, keep_eval_overlap: bool = False) -> list[dict[str, Any]]:
+        """Valid, new records of `raws`; eval-benchmark prompts are dropped, or with `keep_eval_overlap`
+        kept and listed in `eval_overlap_ids` (a held-out split may ask them; training never may)."""
         pc, counts = self.pc, self.counts
         records: list[dict[str, Any]] = []
         for raw in raws:
@@ -139,9 +142,11 @@ class _Collector:
             if key in self.seen_keys:
                 counts["duplicates"] += 1
                 continue
-            if self.eval_texts and any(m["content"].strip() in self.eval_texts for m in conv if m["role"] == "user"):
+            overlap = bool(self.eval_texts) and any(m["content"].strip() in self.eval_texts for m in conv if m["role"] == "user")
+            if overlap:
                 counts["eval_overlap"] += 1
-                continue
+                if not keep_eval_overlap:
+                    continue
             self.seen_keys.add(key)
             if rid is None:
                 rid = "p-" + hashlib.sha1(key.encode()).hexdigest()[:16]
@@ -150,6 +155,8 @@ class _Collector:
                 n += 1
                 rid = f"{base}-{n}"
             self.seen_ids.add(rid)
+            if overlap:
+                self.eval_overlap_ids.add(rid)
             meta.setdefault("origin", raw.origin)
             records.append({"id": rid, "conversations": conv, "meta": meta})
         counts["valid"] += len(records)

@@ -6,7 +6,8 @@ so validation errors point at the exact place to fix.
 Record shapes accepted (one conversation per record):
   - OpenAI style: ``{"messages" | "conversations" | "conversation": [{"role", "content"}, ...]}``
   - ShareGPT style: the same keys with ``[{"from", "value"}, ...]`` (human->user, gpt->assistant, ...)
-  - a bare prompt: ``{"prompt": "..."}`` (or ``prompt`` holding a message list), ``{"instruction", "input"}``
+  - a bare prompt: ``{"prompt": "..."}`` (or ``prompt`` holding a message list), ``{"instruction", "input"}``,
+    or a single-turn eval row ``{"turns": ["..."]}``
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def normalize(record: Any) -> tuple[str | None, list[dict[str, str]], dict[str, 
             break
     if messages is None and "prompt" in record:
         messages = record["prompt"] if isinstance(record["prompt"], list) else [{"role": "user", "content": record["prompt"]}]
+    if messages is None and "turns" in record:  # an eval benchmark row (eval_datasets/*.jsonl)
+        turns = record["turns"]
+        if isinstance(turns, list) and len(turns) > 1:
+            raise InvalidRecord("a multi-turn 'turns' row has no assistant turns between its questions; write it as 'conversations'")
+        messages = [{"role": "user", "content": turns[0] if isinstance(turns, list) and turns else turns}]
     if messages is None and "instruction" in record:
         text = record["instruction"]
         if isinstance(text, str) and isinstance(record.get("input"), str) and record["input"].strip():
