@@ -173,8 +173,8 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
     lines += [
         "## tau per benchmark (ours, greedy unless configured; tau counts the bonus token)",
         "",
-        "| algorithm | " + " | ".join(tasks) + " | overall | speedup | vLLM tau (S spec tokens) | ours tau@S | vLLM per-position acceptance |",
-        "|---" * (len(tasks) + 6) + "|",
+        "| algorithm | " + " | ".join(tasks) + " | overall | speedup | vLLM tau (S spec tokens) | ours tau@S | vLLM per-position acceptance | vLLM speedup (1 / 16 requests) |",
+        "|---" * (len(tasks) + 7) + "|",
     ]
     for r in recipes:
         res = r.results or {}
@@ -187,7 +187,8 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
         speedup = f"{_fmt(overall['speedup'])}x" if overall.get("speedup") is not None else "not timed"
         pos = " / ".join(f"{p:.0%}" for p in per_pos) if per_pos else "–"
         lines.append(
-            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {speedup} | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} |"
+            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {speedup} | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} | "
+            + _served_speedup((res.get("engine") or {}).get("speedup")) + " |"
         )
     lines += served_by_engine_markdown(recipes, tasks)
     lines += split_summary_markdown(recipes, tasks)
@@ -217,6 +218,13 @@ def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> lis
     budget = recipes[0].cfg.eval.max_new_tokens
     return ["", f"## per split (answers up to {budget} tokens): acc0, acceptance per depth, E[A]@S3, E[A]@S7, tau@3", "",
             *split_table(rows, budget, label="algorithm / split")]
+
+
+def _served_speedup(speedup: dict[str, Any] | None) -> str:
+    """vLLM's output tokens/s with the draft over without it (one request / 16 concurrent), overall."""
+    o = (speedup or {}).get("overall") or {}
+    vals = [(o.get(m) or {}).get("speedup") for m in ("single", "concurrent")]
+    return " / ".join(f"{v:.2f}x" if isinstance(v, (int, float)) else "–" for v in vals) if o else "not timed"
 
 
 def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
@@ -260,6 +268,7 @@ def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
             "engine": (res.get("engine") or {}).get("overall"),
             "engine_tasks": (res.get("engine") or {}).get("tasks"),
             "engine_num_speculative_tokens": (res.get("engine") or {}).get("num_speculative_tokens"),
+            "engine_speedup": (res.get("engine") or {}).get("speedup"),
             "stages": [{"name": s.name, "seconds": s.seconds, "reused": s.skipped} for s in r.stages],
         })
     return {"recipes": out}

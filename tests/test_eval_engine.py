@@ -52,14 +52,24 @@ def test_vllm_engine_eval_random_eagle3(tmp_path, smollm2_dir):
     (d / "gsm8k.jsonl").write_text(json.dumps({"turns": ["What is 2 + 3? Answer briefly."]}) + "\n")
     cfg = load_config(None, [
         f"eval.datasets_dir={d}", "eval.tasks=[gsm8k]", "eval.max_new_tokens=24", "eval.num_draft_tokens=3",
-        "eval.engine=vllm", "eval.measure_speedup=false", f"eval.output_dir={tmp_path / 'eval'}", "eval.engine_max_model_len=1024",
+        "eval.engine=vllm", "eval.measure_speedup=true", f"eval.output_dir={tmp_path / 'eval'}", "eval.engine_max_model_len=1024",
     ])
     res = evaluate(cfg, ckpt)
     eng = res["engine"]["tasks"]["gsm8k"]
     assert eng["engine_drafts"] > 0 and eng["engine_draft_tokens"] == 3 * eng["engine_drafts"]
     assert eng["engine_tau"] is not None and 1.0 <= eng["engine_tau"] <= 4.0
     assert eng["ours_tau_at_S"] is not None
-    assert "Engine-backed" in (tmp_path / "eval" / "results.md").read_text()
+    report = (tmp_path / "eval" / "results.md").read_text()
+    assert "Engine-backed" in report and "Served speedup" in report
+    # served speedup: vLLM tokens/s with and without the draft, one request and 16 in flight, per benchmark
+    served = res["engine"]["speedup"]
+    for mode in ("single", "concurrent"):
+        for task in ("gsm8k", "overall"):
+            cell = served[task][mode]
+            assert cell["spec_tokens_per_s"] > 0 and cell["baseline_tokens_per_s"] > 0 and cell["speedup"] > 0
+    assert res["engine"]["timing"]["without_draft"]["gsm8k"]["single"]["tokens"] > 0
+    assert res["engine"]["machine"] and res["engine"]["engine_version"]
+    print("served", json.dumps({"speedup": served, "machine": res["engine"]["machine"]}))
 
 
 def test_dflash_is_served_and_compared_at_its_training_block():
@@ -78,3 +88,16 @@ def test_dflash_is_served_and_compared_at_its_training_block():
     eagle = {"algorithm": "eagle3", "model": {"ttt_length": 7}}
     assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=3"]), eagle) == 3
     assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=5"]), eagle) == 5
+
+
+def test_served_speedup_arithmetic():
+    from deepspec.eval.engine import speedups
+
+    spec = {"gsm8k": {"single": {"tokens": 100, "seconds": 2.0, "tokens_per_s": 50.0}, "concurrent": {"tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0}},
+            "mtbench": {"single": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 50, "seconds": 1.0, "tokens_per_s": 50.0}}}
+    base = {"gsm8k": {"single": {"tokens": 100, "seconds": 4.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0}},
+            "mtbench": {"single": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}}}
+    sp = speedups(spec, base)
+    assert sp["gsm8k"]["single"]["speedup"] == pytest.approx(2.0) and sp["gsm8k"]["concurrent"]["speedup"] == pytest.approx(1.0)
+    assert sp["overall"]["single"]["spec_tokens_per_s"] == pytest.approx(150 / 4) and sp["overall"]["single"]["baseline_tokens_per_s"] == pytest.approx(150 / 6)
+    assert sp["overall"]["concurrent"]["speedup"] == pytest.approx((150 / 2) / (150 / 3))

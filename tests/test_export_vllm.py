@@ -57,5 +57,7 @@ def test_vllm_serves_eagle31_and_dflash_exports(smollm2_dir, tmp_path):
     assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]
 
     dflash = _export(smollm2_dir, tmp_path, "dflash", block_size=4, num_draft_layers=1)
-    counts = _serve_and_count(smollm2_dir, dflash, "dflash", 3, tmp_path)
+    k = json.loads((dflash / "config.json").read_text())["deepspec"]["num_speculative_tokens"]
+    assert k == 3  # served with its training block: vLLM drafts k + 1 = block_size slots
+    counts = _serve_and_count(smollm2_dir, dflash, "dflash", k, tmp_path)
     assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]

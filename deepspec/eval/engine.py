@@ -11,6 +11,9 @@ number of speculative tokens S: τ@S = 1 + E[A]@S and survival@1..S.
 from __future__ import annotations
 
 import json
+import platform
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,8 @@ class _Client:
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
         self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
         self.skipped = 0
+        self.completion_tokens = 0  # summed over requests (the engine's own usage count)
+        self._lock = threading.Lock()
 
     def chat(self, messages: list[dict], seed: int) -> str | None:
         from deepspec.eval.runner import render_prompt
@@ -105,7 +110,10 @@ class _Client:
         r = self.http.post("/chat/completions", json=body)
         if r.status_code != 200:
             raise EngineError(f"vLLM answered {r.status_code} to a chat request: {r.text[:300]}")
-        return r.json()["choices"][0]["message"]["content"] or ""
+        body = r.json()
+        with self._lock:
+            self.completion_tokens += int((body.get("usage") or {}).get("completion_tokens") or 0)
+        return body["choices"][0]["message"]["content"] or ""
 
     def conversation(self, turns: list[str], seed: int, system: str | None = None) -> None:
         messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -115,6 +123,60 @@ class _Client:
             if answer is None:
                 return
             messages.append({"role": "assistant", "content": answer})
+
+
+SPEEDUP_CONCURRENCY = {"single": 1, "concurrent": 16}
+
+
+def time_tasks(client: "_Client", by_task: dict[str, list], seed: int) -> dict[str, dict[str, Any]]:
+    """Output tokens/s of the engine behind `client` per benchmark, one request at a time and 16 in flight
+    (each benchmark's conversations, MT-Bench's second turn after the engine's own first answer)."""
+    out: dict[str, dict[str, Any]] = {}
+    for task, items in by_task.items():
+        for mode, workers in SPEEDUP_CONCURRENCY.items():
+            tokens0, t0 = client.completion_tokens, time.perf_counter()
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for f in [pool.submit(client.conversation, it.row["turns"], seed + it.index * 16, it.row.get("system")) for it in items]:
+                    f.result()
+            seconds, tokens = time.perf_counter() - t0, client.completion_tokens - tokens0
+            out.setdefault(task, {})[mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None}
+    return out
+
+
+def speedups(spec: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per benchmark and mode: tokens/s with the draft vs without (same prompts, same server settings); plus overall."""
+    out: dict[str, dict[str, Any]] = {}
+    names = list(spec)
+    for task in names + ["overall"]:
+        for mode in SPEEDUP_CONCURRENCY:
+            if task == "overall":
+                sums = [sum(d[t][mode][k] for t in names) for d in (spec, base) for k in ("tokens", "seconds")]
+                s_tps = sums[0] / sums[1] if sums[1] else None
+                b_tps = sums[2] / sums[3] if sums[3] else None
+            else:
+                s_tps, b_tps = spec[task][mode]["tokens_per_s"], base[task][mode]["tokens_per_s"]
+            out.setdefault(task, {})[mode] = {"spec_tokens_per_s": s_tps, "baseline_tokens_per_s": b_tps,
+                                              "speedup": s_tps / b_tps if s_tps and b_tps else None}
+    return out
+
+
+def machine_description() -> str:
+    """What the served figures were measured on (CPU model and cores, or the GPU)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPU cores"
 
 
 def _metrics_from_url(base_url: str) -> dict[str, Any]:
@@ -171,10 +233,24 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     target_path = resolve_target_path(target_name)
     export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
-    with VLLMServer(target_path, speculative_config=spec, extra_args=list(cfg.eval.engine_extra_args), dtype=cfg.target.dtype,
-                    max_model_len=cfg.eval.engine_max_model_len, log_path=out_dir / "vllm_server.log") as server:
+    server_kwargs = dict(extra_args=list(cfg.eval.engine_extra_args), dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len)
+    with VLLMServer(target_path, speculative_config=spec, log_path=out_dir / "vllm_server.log", **server_kwargs) as server:
         out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
-    out.update(engine="vllm", speculative_config=spec, num_speculative_tokens=s)
+        if cfg.eval.measure_speedup:
+            spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len),
+                                     by_task, cfg.eval.seed)
+    if cfg.eval.measure_speedup:  # the same prompts and server settings without the draft
+        with VLLMServer(target_path, log_path=out_dir / "vllm_server_baseline.log", **server_kwargs) as server:
+            base_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len),
+                                     by_task, cfg.eval.seed)
+        out["speedup"] = speedups(spec_timing, base_timing)
+        out["timing"] = {"with_draft": spec_timing, "without_draft": base_timing}
+        for task, sp in out["speedup"].items():
+            log.info("vLLM %s: speedup %s (1 request), %s (16 concurrent)", task, _fmt(sp["single"]["speedup"]), _fmt(sp["concurrent"]["speedup"]))
+    import vllm
+
+    out.update(engine="vllm", engine_version=getattr(vllm, "__version__", None), machine=machine_description(),
+               speculative_config=spec, num_speculative_tokens=s)
     (out_dir / "engine_results.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     return out
 

@@ -95,14 +95,20 @@ def markdown(results: dict[str, Any]) -> str:
     eng = results.get("engine")
     if eng and "tasks" in eng:
         lines += ["", f"## Engine-backed ({eng.get('engine')}, {eng.get('num_speculative_tokens')} speculative tokens)", "",
-                  "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k |", "|---|---|---|---|---|---|"]
+                  "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k | served speedup (1 request / 16 concurrent) |",
+                  "|---|---|---|---|---|---|---|"]
+        served = eng.get("speedup") or {}
         for name, r in list(eng["tasks"].items()) + [("**overall**", eng.get("overall", {}))]:
             if not r:
                 continue
+            sp = served.get(name.strip("*")) or {}
+            speed = " / ".join(f"{_f((sp.get(m) or {}).get('speedup'), 2)}x" for m in ("single", "concurrent")) if sp else "not measured"
             lines.append(
                 f"| {name} | {_f(r.get('engine_tau'))} | {_f(r.get('ours_tau_at_S'))} | {_f(r.get('relative_diff'), 3)} | "
-                f"{', '.join(_f(v, 2) for v in r.get('engine_survival', []))} | {', '.join(_f(v, 2) for v in r.get('ours_survival', []))} |"
+                f"{', '.join(_f(v, 2) for v in r.get('engine_survival', []))} | {', '.join(_f(v, 2) for v in r.get('ours_survival', []))} | {speed} |"
             )
+        if served:
+            lines += ["", f"Served speedup: vLLM output tokens/s with the draft / without it, same prompts and server settings, on {eng.get('machine')}."]
     return "\n".join(lines) + "\n"
 
 
