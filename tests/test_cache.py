@@ -505,3 +505,14 @@ def test_manifest_without_stream_fields_reads_as_single_stream():
     fmt.check_manifest({"taps": [1]}, {"taps": [1], "hc_mult": 1, "tap_reduction": "mean"})
     with pytest.raises(CacheError, match="hc_mult"):
         fmt.check_manifest({"taps": [1]}, {"hc_mult": 4})
+
+
+def test_vllm_capture_refuses_concat_of_a_multi_stream_target():
+    """vLLM hands back one H-wide state per layer: a concat cache of a multi-stream target is refused before vLLM starts."""
+    from types import SimpleNamespace
+
+    from deepspec.data.cache.writer import _featurizer
+
+    plan = SimpleNamespace(signature={"taps": [1, 2], "capture_backend": "vllm", "hc_mult": 4, "tap_reduction": "concat"})
+    with pytest.raises(CacheError, match="capture_backend=hf"):
+        _featurizer(plan, None, None, None)
