@@ -51,6 +51,13 @@ def _sizes(arch: dict[str, Any], model_type: str) -> dict[str, Any]:
         # multi-stream targets: taps of hc_mult streams, reduced by mean (width H) or concat (width hc_mult * H)
         "target_hc_mult": arch.get("target_hc_mult", 1),
         "tap_reduction": arch.get("tap_reduction", "mean"),
+        # sliding-window draft layers: what vLLM's Llama/Qwen3 layers read per layer (Qwen3's config keeps
+        # sliding_window only with use_sliding_window)
+        **(
+            {"layer_types": list(arch["layer_types"]), "sliding_window": arch["sliding_window"], "use_sliding_window": True, "max_window_layers": 0}
+            if arch.get("layer_types") and "sliding_attention" in arch["layer_types"]
+            else {}
+        ),
     }
 
 
@@ -192,6 +199,9 @@ def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[
 def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
     """Refuse what vLLM 0.32 would load but not run as trained."""
     mcfg = meta["model"]
+    act = meta["arch"].get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"vLLM's Llama/Qwen3 draft layers use a SiLU-gated MLP; this draft's MLP uses {act}, so vLLM would not run it as trained.")
     if algo == "dspark" and mcfg["markov_head_type"] != "vanilla":
         raise ConfigError(
             f"vLLM's Qwen3DSparkModel implements only the vanilla Markov head; this draft uses '{mcfg['markov_head_type']}'. "
