@@ -145,3 +145,14 @@ def test_export_cli(tmp_path, tiny_llama_dir, capsys):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert "algorithm: dflash" in (out / "deepspec_config.yaml").read_text()
     assert main(["export", str(tmp_path / "missing"), "--format", "vllm"]) != 0
+
+
+def test_export_refuses_a_draft_mlp_the_engines_do_not_run(tmp_path):
+    """vLLM's and SGLang's draft layers are SiLU-gated: another activation would load but not run as trained."""
+    _, ckpt = _ckpt(tmp_path, "llama", "eagle3")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["deepspec"]["arch"]["hidden_act"] = "gelu_pytorch_tanh"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    for fmt in ("vllm", "sglang"):
+        with pytest.raises(ConfigError, match="gelu_pytorch_tanh"):
+            export_draft(ckpt, tmp_path / fmt, fmt)
