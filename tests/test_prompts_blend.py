@@ -186,3 +186,21 @@ def test_eval_prompts_may_be_held_out_but_never_trained_on(tmp_path):
     assert not any(t.startswith("word problem") for t in texts(train))  # never trained on
     assert len(train) == 20 - sum(t.startswith("fresh") for t in texts(held))
     assert json.loads((cfg.data_dir / "prompts_summary.json").read_text())["counts"]["eval_overlap"] == 6
+
+
+def test_blend_quickstart_recipe_builds_its_splits(tmp_path, monkeypatch):
+    """config/quickstart/eagle3_blend.yaml: a 3:1:1 training mix and held-out splits from sources it never trains on."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    cfg = load_config(root / "config" / "quickstart" / "eagle3_blend.yaml", [f"data.dir={tmp_path / 'data'}"])
+    assert cfg.eval.tasks == ["heldout:general", "heldout:agentic", "heldout"] and cfg.eval.max_new_tokens == 160
+    assert cfg.data.regenerate.sampling.max_tokens == 160 and cfg.eval.engine_num_speculative_tokens == 3
+    build_prompts(cfg)
+    per = json.loads((cfg.data_dir / "prompts_summary.json").read_text())["per_source"]
+    train = {k: per["train"].get(k, 0) + per["heldout"].get(k, 0) for k in ("chat", "instructions", "tool-calls")}
+    assert train == {"chat": 254, "instructions": 85, "tool-calls": 85}
+    assert per["heldout.general"] == {"math-word-problems": 6, "code": 6, "explanations": 6, "writing": 6}
+    assert per["heldout.agentic"] == {"live-tool-calls": 24}
+    general = {r["meta"]["blend_source"] for r in read_jsonl(heldout_split_path(cfg, "general"))}
+    trained = {r["meta"]["blend_source"] for r in read_jsonl(cfg.conversations_path)}
+    assert not general & trained
