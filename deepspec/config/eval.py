@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 @dataclass
 class EvalConfig:
+    # Benchmark names, `heldout` (the same-pool validation split), `heldout:<split>` (a held-out split of
+    # data.prompts.sources, e.g. heldout:general) or a path to the user's own .jsonl / .json prompts, reported
+    # under the file stem (docs/data.md, "Custom eval tasks").
     tasks: list[str] = field(
         default_factory=lambda: [
             "gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2",

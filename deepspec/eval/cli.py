@@ -17,7 +17,8 @@ from deepspec.errors import ConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="draft checkpoint folder (e.g. checkpoints/<project>/<exp>/step_latest)")
     add_config_arguments(parser, config_required=False)
-    parser.add_argument("--tasks", nargs="+", default=None, help="benchmarks (default: all 9): gsm8k math500 aime25 humaneval mbpp livecodebench mt-bench alpaca arena-hard-v2")
+    parser.add_argument("--tasks", nargs="+", default=None, help="benchmarks (default: all 9): gsm8k math500 aime25 humaneval mbpp livecodebench mt-bench alpaca "
+                        "arena-hard-v2; also heldout, heldout:<split>, or a path to your own .jsonl / .json prompts")
     parser.add_argument("--max-samples", type=int, default=None, help="samples per benchmark (default: DeepSpec's caps)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
