@@ -14,7 +14,8 @@ tests/test_export_sglang.py, which builds those classes on CPU and loads our fil
     `block_size`; SGLang drafts block_size - 1 tokens per round.
   * DSpark -> SGLang's own format, not speculators: `Qwen3DSparkModel`, the DFlash fields plus `markov_rank`,
     `markov_head_type` (vanilla, gated and rnn all run), `enable_confidence_head`,
-    `confidence_head_with_markov`, `sample_from_anchor`. SGLang builds the confidence head only in its
+    `confidence_head_with_markov`, `sample_from_anchor`; its `block_size` is SGLang's gamma (the drafted tokens:
+    our block_size with an anchor that predicts, block_size - 1 without). SGLang builds the confidence head only in its
     confidence-driven verify modes (SGLANG_RAGGED_VERIFY_MODE=cap-accept|compact; the default `static` skips
     those weights), and there it refuses a checkpoint without them, whatever `enable_confidence_head` says. The gated head's `gate` is SGLang's `gate_proj`;
     the rnn head's `cell` is SGLang's `joint_proj`, whose input is [state, prev, hidden] where ours is
@@ -101,15 +102,18 @@ def sglang_dspark(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, 
     _check_common(meta)
     mcfg = meta["model"]
     out = dict(cfg["transformer_layer_config"])
+    # SGLang's DSpark reads block_size as gamma, the drafted tokens: it queries gamma slots when the anchor slot
+    # predicts (sample_from_anchor) and gamma + 1 otherwise. Ours queries block_size slots either way.
+    gamma = draft.num_predictions
     out.update(
         architectures=["Qwen3DSparkModel"],
         model_type="qwen3",
-        block_size=draft.block_size,
+        block_size=gamma,
         dflash_config={
             "mask_token_id": draft.mask_token_id,
             "target_layer_ids": to_dflash_layer_ids(draft.taps),
             "num_target_layers": meta["arch"]["target_num_layers"],
-            "block_size": draft.block_size,
+            "block_size": gamma,
         },
         mask_token_id=draft.mask_token_id,
         markov_rank=mcfg["markov_rank"],
