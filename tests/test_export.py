@@ -161,8 +161,8 @@ def test_export_refuses_a_draft_mlp_the_engines_do_not_run(tmp_path):
 def test_sglang_dspark_block_size_is_sglangs_gamma(tmp_path):
     """SGLang's DSpark drafts gamma = config block_size tokens, querying gamma slots when the anchor predicts and
     gamma + 1 when it does not; ours queries block_size slots either way."""
-    for anchor, gamma in ((True, 4), (False, 3)):
+    for anchor, gamma in ((None, 4), (True, 4), (False, 3)):  # None: DSpark's default, the anchor predicts
         _, ckpt = _ckpt(tmp_path, "qwen3", "dspark", name=f"a{anchor}", mask_token_id=259, sample_from_anchor=anchor)
         cfg, _ = _read(export_draft(ckpt, tmp_path / f"o{anchor}", "sglang"))
-        assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == gamma and cfg["sample_from_anchor"] is anchor
+        assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == gamma and cfg["sample_from_anchor"] is (anchor is not False)
         assert cfg["deepspec"]["num_speculative_tokens"] == gamma

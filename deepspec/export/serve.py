@@ -31,7 +31,8 @@ def served_tokens(algorithm: str, model: dict[str, Any], requested: int | None =
             )
         return s
     if algorithm == "dspark":
-        s = int(model["block_size"]) - 1 + int(bool(model.get("sample_from_anchor", True)))
+        anchor = model.get("sample_from_anchor")
+        s = int(model["block_size"]) - 1 + int(True if anchor is None else bool(anchor))  # DSpark's anchor slot predicts by default
         if requested is not None and requested != s:
             raise ConfigError(f"This DSpark draft predicts {s} tokens per block; got {requested} speculative tokens. Use {s}.")
         return s
