@@ -6,8 +6,8 @@
 
 1. ours: `deepspec run` stages prompts -> regenerate -> cache -> train of the recipe; the wall time of
    its train stage is the budget (`budget_s`);
-2. peer data from the same `regenerated.jsonl` (same conversations, same chat template):
-   `speculators prepare-data`, then hidden states from vLLM's `extract_hidden_states` served with
+2. peer data from the same `regenerated.jsonl`: our own token ids and loss masks (the chat template and
+   assistant spans our cache used) through `speculators prepare-data`, then hidden states from vLLM's `extract_hidden_states` served with
    the CPU connector of shared/peers (aux ids 1, 14, 27 + the last layer, as the peer's recipe);
 3. the peer trains EAGLE-3 with shared/peers/speculators_cpu.py for as many epochs as fit the budget
    (estimated from its measured throughput, killed at 1.25 x the budget; the last saved epoch is used);
@@ -167,28 +167,31 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "peer.log"
 
-    # 2. the peer's data: the same regenerated conversations, then hidden states through vLLM
-    data_dir = work / "data"
+    # 2. the peer's data: our own token ids and loss masks of the same regenerated conversations (the template and
+    #    assistant spans our cache used), so only the trainer differs; then hidden states through vLLM
+    from deepspec.data.chat import render_conversation
+    from deepspec.data.jsonl import read_jsonl, write_jsonl_atomic
+    from deepspec.targets import load_tokenizer
+
     t0 = time.monotonic()
-    code, _ = run_peer([str(peer_bin / "speculators"), "prepare-data", "--model", target_path, "--data", str(cfg.regenerated_path),
-                        "--output", str(data_dir), "--token-freq-path", str(data_dir / "token_freq.pt"),
-                        "--seq-length", str(cfg.cache.max_length)], log)
+    tok = load_tokenizer(cfg.target.name)
+    rows, tokens = [], 0
+    for r in read_jsonl(cfg.regenerated_path):
+        chat = render_conversation(tok, r["conversations"], cfg.target.chat_template_kwargs, max_length=cfg.cache.max_length)
+        if sum(chat.loss_mask) >= cfg.cache.min_loss_tokens:
+            rows.append({"id": r["id"], "input_ids": list(chat.input_ids), "loss_mask": [int(x) for x in chat.loss_mask]})
+            tokens += len(chat.input_ids)
+    write_jsonl_atomic(work / "peer_input.jsonl", rows)
+    data_dir = work / "data"
+    code, _ = run_peer([str(peer_bin / "speculators"), "prepare-data", "--model", target_path, "--data", str(work / "peer_input.jsonl"),
+                        "--output", str(data_dir), "--token-freq-path", str(data_dir / "token_freq.pt"), "--no-skip-token-freq",
+                        "--seq-length", str(cfg.cache.max_length), "--overwrite"], log)
     if code != 0:
         return _fail(f"speculators prepare-data failed (exit {code}); see {log}")
     peer_hidden_states(cfg, target_path, peer_bin, data_dir, peer_dir, log)
     peer_data_s = time.monotonic() - t0
 
     # 3. the peer trains for the same time
-    info = json.loads((data_dir / "dataset_info.json").read_text()) if (data_dir / "dataset_info.json").is_file() else {}
-    n_rows = ((info.get("splits") or {}).get("train") or {}).get("num_examples")
-    from deepspec.data.chat import render_conversation
-    from deepspec.data.jsonl import read_jsonl
-    from deepspec.targets import load_tokenizer
-
-    tokens = 0
-    tok = load_tokenizer(cfg.target.name)
-    for r in read_jsonl(cfg.regenerated_path):
-        tokens += min(len(render_conversation(tok, r["conversations"], cfg.target.chat_template_kwargs).input_ids), cfg.cache.max_length)
     epochs = max(1, math.floor(budget_s / (tokens / PEER_TOKENS_PER_S)))
     save = work / "peer_ckpt"
     cmd = [str(peer_bin / "python"), str(peer_dir / "speculators_cpu.py"), "--speculator-type", "eagle3",
@@ -214,7 +217,7 @@ def main() -> int:
         "num_speculative_tokens": args.spec_tokens, "config": args.config, "opts": args.opts,
         "ours_detail": {**ours, "checkpoint": str(rec.checkpoint)},
         "peer_detail": {**peer, "checkpoint": str(peer_ckpt), "epochs": epochs, "train_s": round(peer_train_s, 1),
-                        "exit_code": code, "data_s": round(peer_data_s, 1), "rows": n_rows, "tokens": tokens},
+                        "exit_code": code, "data_s": round(peer_data_s, 1), "rows": len(rows), "tokens": tokens},
         "seconds": round(time.monotonic() - t_all, 1),
     }))
     return 0
