@@ -74,8 +74,8 @@ def peer_hidden_states(cfg, target_path: str, peer_bin: Path, data_dir: Path, pe
     """vLLM extract_hidden_states with the CPU connector; `speculators generate-offline-data` drives it."""
     from deepspec.serving import VLLMServer
 
-    hs_dir = data_dir / "hidden_states"
-    hs_dir.mkdir(parents=True, exist_ok=True)
+    hs_dir = data_dir.parent / "hidden_states_raw"  # the server's per-request files; generate-offline-data writes
+    hs_dir.mkdir(parents=True, exist_ok=True)       # the trainer's hs_<i>.safetensors into data_dir/hidden_states
     num_layers = json.loads((Path(target_path) / "config.json").read_text())["num_hidden_layers"]
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": PEER_AUX_IDS + [num_layers]}}}
