@@ -77,6 +77,10 @@ def test_weights_share_max_samples(tmp_path):
     summary = json.loads((cfg.data_dir / "prompts_summary.json").read_text())
     assert summary["per_source"]["train"] == {"embedded": 31, "codeio": 10}  # 41 * 3/4 = 30.75 -> 31
     assert summary["counts"]["heldout.agentic"] == 3
+    # a rebuild without that split removes its file (eval must not ask a stale split)
+    cfg2 = blend_cfg(tmp_path, [{"source": "embedded", "count": 5}], "data.prompts.heldout=0")
+    build_prompts(cfg2)
+    assert not heldout_split_path(cfg2, "agentic").exists() and cfg2.conversations_path.is_file()
 
 
 @pytest.mark.parametrize("entries, match", [

@@ -211,6 +211,9 @@ def build_prompts(cfg, strict: bool | None = None, overwrite: bool = False) -> P
     summary_path(cfg).unlink(missing_ok=True)  # the summary is written last: it marks completion
     write_jsonl_atomic(cfg.heldout_path, heldout)
     write_jsonl_atomic(cfg.conversations_path, train)
+    for old in cfg.data_dir.glob("heldout.*.jsonl"):  # a split the recipe no longer names must not be evaluated
+        if old.name.removeprefix("heldout.").removesuffix(".jsonl") not in named:
+            old.unlink()
     for name, recs in named.items():
         write_jsonl_atomic(heldout_split_path(cfg, name), recs)
     c = report["counts"]
