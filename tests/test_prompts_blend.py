@@ -208,3 +208,12 @@ def test_blend_quickstart_recipe_builds_its_splits(tmp_path, monkeypatch):
     general = {r["meta"]["blend_source"] for r in read_jsonl(heldout_split_path(cfg, "general"))}
     trained = {r["meta"]["blend_source"] for r in read_jsonl(cfg.conversations_path)}
     assert not general & trained
+
+
+def test_hugging_face_ids_stay_the_online_path(tmp_path, monkeypatch):
+    """A blend entry naming a dataset id goes to the Hugging Face loader (offline here: a clear DataError)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = blend_cfg(tmp_path, [{"source": "embedded", "count": 3}, {"source": "no-such-org/no-such-set", "count": 3, "hf_split": "train_sft"}])
+    with pytest.raises(DataError, match="no-such-org/no-such-set' split 'train_sft'"):
+        build_prompts(cfg)
