@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from deepspec.data.embedded import EMBEDDED_DIR, EXTRA_PROVENANCE_FILE, extra_file
+from deepspec.data.embedded import EXTRA_PROVENANCE_FILE, extra_file
 
 TOOLS_SYSTEM = (
     "You are a helpful assistant with access to the functions below. When a function helps, answer with the "
