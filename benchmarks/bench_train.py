@@ -1,16 +1,27 @@
-"""Training throughput per algorithm on the embedded SmolLM2 target (cached features, CPU).
+#!/usr/bin/env python
+"""Training throughput and memory at users' sequence lengths, ours and the peer trainer's, same run, same data.
 
-    python benchmarks/bench_train.py                      # every registered algorithm
-    python benchmarks/bench_train.py --algorithms eagle3 --steps 6 --samples 32 --global-batch 8
+    python benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --algorithms eagle3
+    python benchmarks/bench_train.py --shape smollm2 --seq-len 4096 16384 --algorithms eagle3 --no-peer
+    python benchmarks/bench_train.py --shape qwen3-8b --seq-len 4096 --algorithms eagle3 dflash   # on a GPU
 
-Builds a small offline cache per algorithm (its taps) from synthetic conversations through the real
-cache stage, then trains `--steps` optimizer steps in a fresh subprocess (so peak RSS is per
-algorithm) with the recipe config/<algorithm>/smollm2.yaml. Prints one JSON object with a row per
-algorithm: `draft_tokens_per_s` = non-padding tokens through the draft per second of training wall
-time (forward + backward + optimizer, no checkpoint), `peak_rss_mb` = the training process's peak RSS.
+The target is random weights built in-process from its config (`--shape`: smollm2, qwen3-1.7b, qwen3-8b); only the
+parts a draft trainer reads are written (embedding, final norm, LM head: a "verifier stub" folder), so a Qwen3-8B
+shape costs no 16 GB checkpoint. Each sample is exactly `--seq-len` tokens (random ids, the first quarter a prompt, the
+rest supervised) with random tap features; the same tensors are written for us (an in-memory feature dataset, what
+the cache reader yields) and for the peer — `speculators` 0.9.0 in its own venv (benchmarks/peer_setup.sh): an Arrow
+dataset (input_ids, loss_mask, seq_len), hidden_states/hs_{i}.safetensors ([seq, n_taps + 1, H], the last slot the
+final hidden state) and token_freq.pt. Both train EAGLE-3 with the same taps, depth (TTT 7, loss decay 0.8), draft
+vocabulary, fc/output norms, precision (bf16 where the hardware computes it, else fp32), one sample per step.
 
-`peer_tokens_per_s` (vLLM's `speculators` training the same EAGLE-3 draft) is null with a reason:
-speculators 0.9.0 cannot train on CPU (see PEER_NOTE).
+Prints ONE JSON object with `rows`, one per (algorithm, seq_len):
+  tokens_per_s       non-padding tokens per second of training, first step left out (start-up), ours
+  peak_memory_mb     peak allocated GPU memory (torch.cuda.max_memory_allocated) / peak RSS of the training process on CPU
+  padding_fraction   padded positions / all positions of the measured micro-batches
+  mfu                GPU only: model FLOPs (torch's FlopCounterMode on one forward+backward) x steps/s / the GPU's peak
+  peer_tokens_per_s  the peer on the same data, same machine, same run, first step left out (its own per-step timer);
+                     null with `peer_note` under --no-peer, without the peer venv, for algorithms it is not run for, or on failure
+Each row trains in a fresh subprocess (so peak memory is per row).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -27,14 +39,437 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
+PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
+PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
 
-PEER_NOTE = (
-    "speculators 0.9.0 (pip download, inspected in a throwaway dir) cannot train on CPU: its Trainer sets "
-    "device_type = 'cuda' when torch.accelerator.current_accelerator() is None (train/trainer.py), its distributed "
-    "setup raises 'No accelerator found' (train/distributed.py), the EAGLE-3 model defaults to flex-attention block "
-    "masks, and it pins datasets<=5.1.0 and requires torchvision/torchaudio, which break this torch 2.13 CPU install."
-)
+# --shape -> (family, config overrides of deepspec.targets.tiny.tiny_config, recipe target, draft vocabulary)
+SHAPES = {
+    "smollm2": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=32768,
+                              rms_norm_eps=1e-5, tie_word_embeddings=True), "smollm2", 8192),
+    "qwen3-1.7b": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                                 rms_norm_eps=1e-6, tie_word_embeddings=True), "qwen3-8b", 32000),
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                               rms_norm_eps=1e-6, tie_word_embeddings=False), "qwen3-8b", 32000),
+}
+# dense bf16 / fp32 peaks (FLOP/s) for MFU; other GPUs report mfu null
+PEAK_FLOPS = {"H100": (989.4e12, 66.9e12), "H200": (989.4e12, 66.9e12), "A100": (312e12, 19.5e12)}
+
+
+def taps_for(algorithm: str, num_layers: int) -> list[int]:
+    """EAGLE-3: vLLM's default three (layers 1, L/2 - 1, L - 4, 0-based outputs); block drafts: five spread evenly."""
+    if algorithm == "eagle3":
+        return [1, num_layers // 2 - 1, num_layers - 4]
+    return [1 + round(i * (num_layers - 3) / 4) for i in range(5)]
+
+
+def target_config(shape: str):
+    from deepspec.targets.tiny import tiny_config
+
+    family, overrides, _, _ = SHAPES[shape]
+    return tiny_config(family, **overrides)
+
+
+def write_verifier_stub(path: Path, shape: str) -> Path:
+    """config.json + model.safetensors with only the embedding, final norm and LM head (random, bf16): all a draft
+    trainer reads from its target (ours: deepspec.train.build.load_target_head; the peer: its load_model_layers),
+    plus the tests' byte-level tokenizer (the peer opens one; the token ids are random anyway)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (path / "model.safetensors").is_file():
+        return path
+    cfg = target_config(shape)
+    g = torch.Generator().manual_seed(0)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    embed = (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    tensors["lm_head.weight"] = embed.clone() if cfg.tie_word_embeddings else (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(path)
+    from deepspec.targets.tiny import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(path)  # the peer loads a tokenizer from the verifier folder
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def make_samples(n: int, seq_len: int, n_taps: int, hidden: int, vocab: int, seed: int) -> list[dict]:
+    """Random token ids (the first quarter unsupervised: a prompt) and random tap / final features (bf16, as cached)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq_len,), generator=g)
+        mask = torch.zeros(seq_len, dtype=torch.bool)
+        mask[seq_len // 4 :] = True
+        feats = torch.randn(seq_len, n_taps + 1, hidden, generator=g).to(torch.bfloat16)
+        out.append({"input_ids": ids, "loss_mask": mask, "taps": feats[:, :n_taps], "final_hidden": feats[:, n_taps]})
+    return out
+
+
+class FeatureSamples:
+    """The samples as the trainer sees a cache: len / [i] / lengths / token_counts."""
+
+    def __init__(self, samples: list[dict], vocab: int):
+        self.samples, self.vocab = samples, vocab
+        self.lengths = [int(s["input_ids"].shape[0]) for s in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+    def token_counts(self):
+        import torch
+
+        counts = torch.zeros(self.vocab, dtype=torch.long)
+        for s in self.samples:
+            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=self.vocab)
+        return counts
+
+
+def write_peer_data(directory: Path, samples: list[dict]) -> Path:
+    """The same samples in the layout `speculators train --data-path` reads."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    if (directory / "token_freq.pt").is_file():
+        return directory
+    (directory / "hidden_states").mkdir(parents=True, exist_ok=True)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    freq: dict[int, int] = {}
+    for i, s in enumerate(samples):
+        ids = s["input_ids"]
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(s["loss_mask"].long().tolist())
+        rows["seq_len"].append(int(ids.shape[0]))
+        hs = torch.cat([s["taps"], s["final_hidden"].unsqueeze(1)], dim=1).contiguous()
+        save_file({"hidden_states": hs, "token_ids": ids.clone()}, str(directory / "hidden_states" / f"hs_{i}.safetensors"))
+        u, c = torch.unique(ids[s["loss_mask"]], return_counts=True)
+        for t, k in zip(u.tolist(), c.tolist()):
+            freq[t] = freq.get(t, 0) + k
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(directory))
+    torch.save(freq, directory / "token_freq.pt")
+    return directory
+
+
+# ----------------------------------------------------------------------------- our row (a subprocess)
+
+
+def _our_row(spec: dict) -> dict:
+    """Train `spec["steps"]` steps of our trainer in this process; figures of this process."""
+    import torch
+    from transformers import AutoConfig
+
+    import deepspec.train.loop as loop
+    from deepspec.config import load_config
+    from deepspec.drafts.registry import get_algorithm
+    from deepspec.train.build import load_target_head
+    from deepspec.train.dist import init_distributed, teardown
+    from deepspec.train.loop import TrainParts
+
+    cfg = load_config(spec["recipe"], spec["opts"])
+    samples = torch.load(spec["samples"], weights_only=False)
+    stamps: dict[int, float] = {}
+    append = loop._append_jsonl
+
+    def stamped(path, step, row):  # rank 0 writes a logged step's row right after its optimizer step
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        stamps[step] = time.perf_counter()
+        append(path, step, row)
+
+    loop._append_jsonl = stamped
+    info = init_distributed()
+    try:
+        torch.manual_seed(cfg.train.seed)
+        tconf = AutoConfig.from_pretrained(spec["target"])
+        draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
+        draft.load_target_weights(*load_target_head(spec["target"], tconf))
+        data = FeatureSamples(samples, tconf.vocab_size)
+        draft.set_token_frequencies(data.token_counts())
+        parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
+                           write_draft=lambda d, w: None)
+        loop._train(cfg, info, parts)
+        out: dict = {}
+        logged = sorted(stamps)
+        lengths = data.lengths
+        n_steps = logged[-1] - logged[0]
+        from deepspec.train.batches import BatchPlan
+
+        t = cfg.train
+        plan = BatchPlan(len(data), t.global_batch_size, t.micro_batch_size, info.world, t.seed, t.bucketing)
+        real = padded = 0
+        for s in range(logged[0], logged[-1]):  # row `step` s is written after plan step s - 1
+            for micro in plan.micro_batches(s, 0, lengths):
+                real += sum(lengths[i] for i in micro)
+                padded += len(micro) * max(lengths[i] for i in micro)
+        elapsed = stamps[logged[-1]] - stamps[logged[0]]
+        out["tokens_per_s"] = round(real / elapsed, 1)
+        out["padding_fraction"] = round(1 - real / padded, 4) if padded else None
+        out["measured_steps"] = n_steps
+        if info.device.type == "cuda":
+            out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
+            out["mfu"] = _mfu(draft, cfg, samples[0], info.device, real / elapsed)
+        else:
+            out["peak_memory_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+            out["mfu"] = None
+        rows = [json.loads(x) for x in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
+        out["final_loss"] = round(rows[-1]["train/loss"], 4)
+        out["trainable_params"] = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        out["device"] = str(info.device)
+        return out
+    finally:
+        loop._append_jsonl = append
+        teardown(info)
+
+
+def _mfu(draft, cfg, sample: dict, device, tokens_per_s: float) -> float | None:
+    """Model FLOPs of one forward + backward of one sample (counted by torch), times samples/s, over the GPU's peak."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from deepspec.train.batches import collate_features
+    from deepspec.train.loop import autocast_context
+
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    batch = collate_features([sample]).to(device, torch.float32)
+    autocast = autocast_context(cfg, device)
+    bf16 = cfg.train.precision in ("auto", "bf16", "bf16_if_native")
+    draft.train()
+    with FlopCounterMode(display=False) as counter:
+        with autocast():
+            loss, _ = draft.loss(batch)
+        loss.backward()
+    draft.zero_grad(set_to_none=True)
+    flops_per_token = counter.get_total_flops() / int(batch.attention_mask.sum())
+    return round(flops_per_token * tokens_per_s / (peak[0] if bf16 else peak[1]), 4)
+
+
+# ----------------------------------------------------------------------------- the peer's row (its own venv)
+
+
+def peer_available(python: Path, pythonpath: str | None = None) -> str | None:
+    """None when the peer can run with this interpreter, else why not."""
+    if not python.is_file():
+        return f"no peer venv at {python.parent.parent} (create it with: bash benchmarks/peer_setup.sh)"
+    env = _peer_env(pythonpath)
+    probe = subprocess.run([str(python), "-c", "import speculators.train.trainer"], capture_output=True, text=True, env=env)
+    if probe.returncode != 0:
+        return "the peer does not import: " + (probe.stderr.strip().splitlines() or ["?"])[-1]
+    return None
+
+
+def _peer_env(pythonpath: str | None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def _peer_row(python: Path, pythonpath: str | None, target: Path, data: Path, out: Path, spec: dict, device: str,
+              timeout: int) -> dict:
+    """Train the peer's EAGLE-3 on `data`; its steady tokens/s from its per-step timer (first step left out)."""
+    args = [
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(target), "--data-path", str(data),
+        "--target-layer-ids", *[str(k + 1) for k in spec["taps"]],  # speculators' aux ids are vLLM's: our tap k + 1
+        "--draft-vocab-size", str(spec["draft_vocab"]), "--no-norm-before-fc", "--fc-norm", "--norm-output",
+        "--ttt-steps", str(spec["ttt"]), "--ttt-step-loss-decay", str(spec["decay"]),
+        "--total-seq-len", str(spec["seq_len"]), "--lr", "6e-4",
+        "--epochs", "1", "--max-steps", str(spec["steps"]), "--log-freq", "1",
+        # it needs a validation split: all samples but the last train
+        "--train-data-ratio", str((spec["steps"] + 0.5) / (spec["steps"] + 1)),
+        "--num-workers", "0", "--hidden-states-dtype", "bfloat16" if spec["bf16"] else "float32",
+        "--save-path", str(out),
+    ]
+    if device == "cpu":  # flex attention has no CPU backward and the fused loss is a Triton kernel
+        cmd = [str(python), str(PEER_CPU_SHIM), *args, "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    else:  # on a GPU its defaults: flex-attention block masks, fused loss
+        cmd = [str(python), "-m", "speculators.train", *args]
+    env = _peer_env(pythonpath)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    (out.parent / (out.name + ".log")).write_text(log)
+    if proc.returncode != 0:
+        tail = [ln for ln in log.splitlines() if ln.strip()][-3:]
+        raise RuntimeError(f"peer exit {proc.returncode}: " + " | ".join(tail))
+    steps = _peer_steps(log)
+    if len(steps) < 2:
+        raise RuntimeError(f"the peer logged {len(steps)} step profiles (see {out.name}.log)")
+    steady = steps[1:]
+    tokens = sum(tok for tok, _ in steady)
+    seconds = sum(ms for _, ms in steady) / 1000
+    return {"peer_tokens_per_s": round(tokens / seconds, 1), "peer_measured_steps": len(steady), "peer_wall_s": round(wall, 1)}
+
+
+def _peer_steps(log: str) -> list[tuple[float, float]]:
+    """(tokens, step ms) per logged step, from the peer's profile records (`profile/step_ms=...`,
+    `profile/tokens_per_s=...`; its console wraps one record over several lines, so they are paired in order)."""
+    ms = [float(x) for x in re.findall(r"profile/step_ms\s*[=:]\s*([0-9.eE+-]+)", log)]
+    rates = [float(x) for x in re.findall(r"profile/tokens_per_s\s*[=:]\s*([0-9.eE+-]+)", log)]
+    return [(rate * step / 1000, step) for step, rate in zip(ms, rates)]
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[2048])
+    p.add_argument("--algorithms", nargs="+", default=["eagle3"])
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per row (the first is left out of tokens/s)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="both trainers: auto = bf16 on GPUs and CPUs with native bf16, else fp32")
+    p.add_argument("--no-peer", action="store_true", help="do not run the peer trainer")
+    p.add_argument("--peer-venv", default=str(PEER_VENV))
+    p.add_argument("--peer-python", default=None, help="the peer's interpreter (default: the venv's python)")
+    p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH for the peer (wheels installed with pip --target)")
+    p.add_argument("--peer-timeout", type=int, default=1200)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--extra-opts", nargs="*", default=[], help="more --opts for our trainer (e.g. train.compile=true)")
+    p.add_argument("--_row", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_peer_data", nargs=2, metavar=("SAMPLES", "DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--_child", nargs=2, metavar=("RECIPE", "OPTS_JSON"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._row:
+        print(json.dumps(_our_row(json.loads(args._row))))
+        return 0
+    if args._peer_data:  # run by the peer's interpreter: its own `datasets` writes the Arrow files it reads
+        import torch
+
+        write_peer_data(Path(args._peer_data[1]), torch.load(args._peer_data[0], weights_only=False))
+        return 0
+    if args._child:  # the cache-stage path bench_gpu.py's recipe runs use
+        print(json.dumps(train_child(args._child[0], json.loads(args._child[1]))))
+        return 0
+
+    import torch
+
+    from deepspec.cpus import cpu_has_native_bf16
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and (device == "cuda" or cpu_has_native_bf16()))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tconf = target_config(args.shape)
+    _, _, recipe_target, draft_vocab = SHAPES[args.shape]
+    t0 = time.perf_counter()
+    target = write_verifier_stub(work / f"target-{args.shape}", args.shape)
+    peer_venv = Path(args.peer_venv)
+    peer_python = Path(args.peer_python) if args.peer_python else peer_venv / "bin" / "python"
+    peer_why = "--no-peer" if args.no_peer else peer_available(peer_python, args.peer_pythonpath)
+    result = {
+        "benchmark": "train", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "device": _device_name(),
+        "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32", "steps_per_row": args.steps,
+        "samples_per_step": 1,
+        "note": ("random-weight target from its config and random features: throughput and memory are real, losses are not "
+                 "meaningful; both trainers read the same samples, EAGLE-3 with the same taps, TTT depth, draft vocabulary, "
+                 "norms and precision"),
+        "peer": {"name": "speculators", "version": "0.9.0", "python": str(peer_python), "available": peer_why is None},
+        "rows": [],
+    }
+    if peer_why:
+        result["peer"]["note"] = peer_why
+
+    def emit() -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+    for seq_len in args.seq_len:
+        for algorithm in args.algorithms:
+            taps = taps_for(algorithm, tconf.num_hidden_layers)
+            n_samples = args.steps + 1  # the peer holds one out for its validation split
+            samples_path = work / f"samples-{algorithm}-{seq_len}.pt"
+            samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len)
+            torch.save(samples, samples_path)
+            recipe = str(REPO / "config" / algorithm / f"{recipe_target}.yaml")
+            opts = [
+                f"output_root={work}", f"train.output_root={work / 'ckpt'}", f"exp={algorithm}-{seq_len}",
+                f"model.target_layer_ids=[{','.join(map(str, taps))}]", "model.init_copy_heads=false",
+                "model.init_from_target_layer=null", "train.global_batch_size=1", "train.micro_batch_size=1",
+                f"train.max_steps={args.steps}", f"train.save_every={10**6}", f"train.val_every={10**6}",
+                # the first and the last step are logged (the timing's two ends), as in a run logging every N steps
+                f"train.log_every={10**6}",
+                "train.resume=false", f"train.precision={'bf16' if bf16 else 'fp32'}", "logging.wandb=false",
+                "logging.tensorboard=false", "logging.progress=false", *args.extra_opts,
+            ]
+            if algorithm == "eagle3":
+                opts += [f"model.draft_vocab_size={draft_vocab}", "model.ttt_length=7", "model.step_loss_decay=0.8",
+                         "model.fc_norm=true", "model.norm_output=true", "model.num_draft_layers=1"]
+            row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "tokens_per_s": None, "peak_memory_mb": None,
+                   "padding_fraction": None, "mfu": None, "peer_tokens_per_s": None}
+            spec = {"recipe": recipe, "opts": opts, "samples": str(samples_path), "target": str(target), "shape": args.shape}
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--_row", json.dumps(spec)], capture_output=True, text=True,
+                                      env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=3600)
+                if proc.returncode != 0:
+                    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                    raise RuntimeError(" | ".join(lines[-3:]) or f"exit {proc.returncode}")
+                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+            except Exception as e:  # report and go on
+                row["error"] = f"{type(e).__name__}: {e}"[-2000:]
+            if algorithm != "eagle3":
+                row["peer_note"] = "the peer is run for EAGLE-3 only"
+            elif peer_why:
+                row["peer_note"] = peer_why
+            else:
+                try:
+                    data = work / f"peer-data-{algorithm}-{seq_len}"
+                    made = subprocess.run([str(peer_python), __file__, "--_peer_data", str(samples_path), str(data)],
+                                          capture_output=True, text=True, env=_peer_env(args.peer_pythonpath), timeout=1800)
+                    if made.returncode != 0:
+                        raise RuntimeError("writing the peer's data: " + (made.stderr.strip().splitlines() or ["?"])[-1])
+                    peer_spec = {"taps": taps, "draft_vocab": draft_vocab, "ttt": 7, "decay": 0.8, "seq_len": seq_len,
+                                 "steps": args.steps, "bf16": bf16}
+                    row.update(_peer_row(peer_python, args.peer_pythonpath, target, data, work / f"peer-out-{algorithm}-{seq_len}", peer_spec, device,
+                                         args.peer_timeout))
+                    if row.get("tokens_per_s") and row.get("peer_tokens_per_s"):
+                        row["ours_over_peer"] = round(row["tokens_per_s"] / row["peer_tokens_per_s"], 3)
+                except Exception as e:
+                    row["peer_note"] = f"peer run failed: {type(e).__name__}: {e}"[-2000:]
+            del samples
+            result["rows"].append(row)
+            emit()
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    emit()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _device_name() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    model = ""
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {model or platform.processor()}"
+
+
+# ----------------------------------------------------------------------------- the cache-stage path (bench_gpu.py)
 
 _WORDS = (
     "the a model learns to predict next token from hidden states of target layers while training on cached features "
@@ -44,6 +479,7 @@ _WORDS = (
 
 
 def _conversations(n: int, seed: int, answer_words: tuple[int, int] = (20, 60)) -> list[dict]:
+    """Synthetic conversations for the cache stage (bench_gpu.py's recipe runs)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -64,12 +500,10 @@ def _opts(work: Path, algorithm: str, args) -> list[str]:
 
 
 def train_child(recipe: str, opts: list[str]) -> dict:
-    """Train in this process (alone, or as the rank of a torchrun launch); return its figures.
+    """Train a recipe on its cache in this process (alone, or as the rank of a torchrun launch); its figures.
+    `steady_tokens_per_s` leaves the first step out; on a GPU `peak_gpu_mb` is the peak allocated."""
+    import torch
 
-    `draft_tokens_per_s` is the trainer's own figure (from the first step on, so one-time costs such as CUDA start-up
-    and torch.compile are in it); `steady_tokens_per_s` leaves the first step out (time between the first and the last
-    logged step, tokens of the steps in between, from the batch plan). On a GPU, `peak_gpu_mb` is the peak allocated.
-    """
     import deepspec.train.loop as loop
     from deepspec.config import load_config
     from deepspec.train.batches import BatchPlan, sample_lengths
@@ -80,18 +514,16 @@ def train_child(recipe: str, opts: list[str]) -> dict:
     stamps: dict[int, float] = {}
     append = loop._append_jsonl
 
-    def stamped(path, step, row):  # rank 0 writes a logged step's row right after the optimizer step
+    def stamped(path, step, row):
         stamps[step] = time.perf_counter()
         append(path, step, row)
 
     loop._append_jsonl = stamped
     info = init_distributed()
     try:
-        import torch
-
-        torch.manual_seed(cfg.train.seed)  # as train() does before building the draft
+        torch.manual_seed(cfg.train.seed)
         parts = build_parts(cfg, info)
-        parts.val_data = None  # throughput only
+        parts.val_data = None
         t0 = time.perf_counter()
         loop._train(cfg, info, parts)
         wall = time.perf_counter() - t0
@@ -100,11 +532,11 @@ def train_child(recipe: str, opts: list[str]) -> dict:
         teardown(info)
     rows = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
     last = rows[-1]
-    trainable = sum(p.numel() for p in parts.model.parameters() if p.requires_grad)
     out = {
         "draft_tokens_per_s": round(last["train/tokens_per_s"], 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "steps": last["step"], "train_wall_s_incl_final_save": round(wall, 2), "trainable_params": trainable,
+        "steps": last["step"], "train_wall_s_incl_final_save": round(wall, 2),
+        "trainable_params": sum(p.numel() for p in parts.model.parameters() if p.requires_grad),
         "final_loss": round(last["train/loss"], 4),
     }
     logged = sorted(stamps)
@@ -112,7 +544,7 @@ def train_child(recipe: str, opts: list[str]) -> dict:
         t = cfg.train
         plan = BatchPlan(len(parts.train_data), t.global_batch_size, t.micro_batch_size, info.world, t.seed, t.bucketing)
         lengths = sample_lengths(parts.train_data)
-        if lengths is not None:  # row `step` s is written after plan step s - 1
+        if lengths is not None:
             tokens = sum(lengths[i] for s in range(logged[0], logged[-1]) for i in plan.global_indices(s))
             out["steady_tokens_per_s"] = round(tokens / (stamps[logged[-1]] - stamps[logged[0]]), 1)
     if info.device.type == "cuda":
@@ -120,68 +552,6 @@ def train_child(recipe: str, opts: list[str]) -> dict:
     out["device"] = str(info.device)
     out["run_dir"] = str(cfg.run_dir)
     return out
-
-
-def _child(recipe: str, opts: list[str]) -> None:
-    """Train in this process; print this process's figures as JSON on the last line."""
-    print(json.dumps(train_child(recipe, opts)))
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algorithms", nargs="*", default=None, help="default: every algorithm whose module exists")
-    p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--_child", nargs=2, metavar=("RECIPE", "OPTS_JSON"), help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args._child:
-        _child(args._child[0], json.loads(args._child[1]))
-        return 0
-
-    import importlib.util
-
-    import torch
-
-    from deepspec.config import load_config
-    from deepspec.data.cache import build_cache
-    from deepspec.drafts.registry import _MODULES
-
-    algorithms = args.algorithms or [a for a, mod in _MODULES.items() if importlib.util.find_spec(mod) is not None]
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-train-"))
-    (work / "data").mkdir(parents=True, exist_ok=True)
-    for name, seed, n in (("regenerated.jsonl", 0, args.samples), ("regenerated.heldout.jsonl", 1, 4)):
-        (work / "data" / name).write_text("".join(json.dumps(c) + "\n" for c in _conversations(n, seed)))
-    rows = []
-    for algorithm in algorithms:
-        recipe = str(REPO / "config" / algorithm / "smollm2.yaml")
-        opts = _opts(work, algorithm, args)
-        row = {"algorithm": algorithm, "target": "smollm2-135m-instruct", "device": "cpu", "threads": torch.get_num_threads()}
-        try:
-            cfg = load_config(recipe, opts)
-            t0 = time.perf_counter()
-            build_cache(cfg, "train")
-            row["cache_build_s"] = round(time.perf_counter() - t0, 1)
-            proc = subprocess.run(
-                [sys.executable, __file__, "--_child", recipe, json.dumps(opts)], capture_output=True, text=True,
-                env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=1800,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-        except Exception as e:  # report and go on with the next algorithm
-            row["error"] = f"{type(e).__name__}: {e}"
-        row["peer_tokens_per_s"] = None
-        if algorithm == "eagle3":
-            row["peer_note"] = PEER_NOTE
-        rows.append(row)
-    print(json.dumps({
-        "benchmark": "train", "samples": args.samples, "steps": args.steps, "global_batch": args.global_batch,
-        "micro_batch": args.micro_batch, "precision": "fp32", "workers": 1, "results": rows,
-    }, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
