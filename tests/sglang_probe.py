@@ -3,7 +3,7 @@
 Run as a subprocess by tests/test_export_sglang.py (SGLang's import chain and its torch.distributed
 init must not leak into the test process):
 
-    python tests/sglang_probe.py SIDE_DIR CHECKPOINT EXPORT   -> one JSON line on stdout
+    python tests/sglang_probe.py SIDE_DIR CHECKPOINT::EXPORT::VERIFY_MODE ...   -> one JSON line (a list) on stdout
 
 SIDE_DIR holds SGLang's sources (scripts/sglang_side.sh). SGLang's attention kernel (RadixAttention) needs
 its GPU/CPU attention backends and a KV pool, so each layer's `attn` is replaced by plain softmax attention
@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import json
+import os
 import socket
 import sys
 import types
@@ -193,21 +194,22 @@ def probe_block(model, draft, report) -> None:
                 report["max_abs_diff"]["confidence_logit"] = _maxdiff(c_s, c_o)
 
 
-def main(side: str, checkpoint: str, export: str) -> dict:
+def probe(checkpoint: str, export: str, verify_mode: str) -> dict:
+    """Build SGLang's class for one export, load it, compare with our checkpoint. `verify_mode`: SGLang's
+    SGLANG_RAGGED_VERIFY_MODE (DSpark builds its confidence head only in cap-accept / compact)."""
     from safetensors.torch import load_file
+    from sglang.srt.utils.hf_transformers_utils import get_config
 
     from deepspec.drafts.checkpoint import load_draft
 
-    _import_sglang(side)
-    from sglang.srt.utils.hf_transformers_utils import get_config
-
+    os.environ["SGLANG_RAGGED_VERIFY_MODE"] = verify_mode  # read by SGLang at model construction
     torch.manual_seed(0)
     cfg = get_config(export, trust_remote_code=False)
     arch = cfg.architectures[0]
     module = {"LlamaForCausalLMEagle3": "llama_eagle3", "DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}[arch]
     cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)
     model = cls(cfg).float().eval()
-    report = {"class": f"sglang.srt.models.{module}.{arch}"}
+    report = {"class": f"sglang.srt.models.{module}.{arch}", "verify_mode": verify_mode}
     report.update(_load_and_account(model, load_file(str(Path(export) / "model.safetensors"))))
     draft = load_draft(checkpoint).float().eval()
     with torch.no_grad():  # the target's embeddings are not part of a draft checkpoint: any shared values do
@@ -219,5 +221,11 @@ def main(side: str, checkpoint: str, export: str) -> dict:
     return report
 
 
+def main(side: str, jobs: list[str]) -> list[dict]:
+    """jobs: CHECKPOINT::EXPORT::VERIFY_MODE each (one SGLang import for all of them)."""
+    _import_sglang(side)
+    return [probe(*job.split("::")) for job in jobs]
+
+
 if __name__ == "__main__":
-    print("SGLANG_PROBE " + json.dumps(main(*sys.argv[1:4])))
+    print("SGLANG_PROBE " + json.dumps(main(sys.argv[1], sys.argv[2:])))

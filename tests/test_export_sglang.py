@@ -6,7 +6,6 @@ the registry via scripts/sglang_side.sh; the test skips only when that install f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,10 +51,10 @@ def _ckpt(tmp_path, family, algorithm, name="ckpt", qk_norm=None, **fields):
     return draft, save_draft(draft, tmp_path / name, prov)
 
 
-def _probe(side, ckpt, out, verify_mode: str = "cap-accept") -> dict:
-    env = dict(os.environ, SGLANG_RAGGED_VERIFY_MODE=verify_mode)  # cap-accept: SGLang builds DSpark's confidence head
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py"), side, str(ckpt), str(out)],
-                       capture_output=True, text=True, timeout=600, env=env)
+def _probe(side, jobs: list[tuple]) -> list[dict]:
+    """Run SGLang's classes on (checkpoint, export, verify mode) jobs in one subprocess (one SGLang import)."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py"), side, *("::".join(map(str, j)) for j in jobs)],
+                       capture_output=True, text=True, timeout=900)
     line = [x for x in r.stdout.splitlines() if x.startswith("SGLANG_PROBE ")]
     assert r.returncode == 0 and line, r.stderr[-3000:]
     return json.loads(line[-1][len("SGLANG_PROBE "):])
@@ -74,14 +73,28 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def sglang_reports(sglang_side, tmp_path_factory):
+    """Every case exported and probed by SGLang's code in one subprocess: {case: (draft, export config, report)}.
+    `cap-accept` is SGLang's verify mode in which DSpark builds its confidence head (ignored by the others);
+    `dspark-no-confidence` runs in SGLang's default `static` mode, which builds none."""
+    root = tmp_path_factory.mktemp("sglang")
+    cases = dict(CASES, **{"dspark-no-confidence": ("qwen3", "dspark", dict(mask_token_id=259, enable_confidence_head=False))})
+    built, jobs = {}, []
+    for case, (family, algorithm, fields) in cases.items():
+        draft, ckpt = _ckpt(root / case, family, algorithm, **fields)
+        out = export_draft(ckpt, root / case / "sglang", "sglang", dtype="float32")
+        built[case] = (draft, json.loads((out / "config.json").read_text()), out)
+        jobs.append((ckpt, out, "static" if case == "dspark-no-confidence" else "cap-accept"))
+    reports = _probe(sglang_side, jobs)
+    return {case: (*built[case], rep) for case, rep in zip(cases, reports)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_sglang_loads_and_runs_our_export(case, tmp_path, sglang_side, one_torch_thread):
-    family, algorithm, fields = CASES[case]
-    draft, ckpt = _ckpt(tmp_path, family, algorithm, **fields)
-    out = export_draft(ckpt, tmp_path / "sglang", "sglang", dtype="float32")
-    cfg = json.loads((out / "config.json").read_text())
-    rep = _probe(sglang_side, ckpt, out)
+@pytest.mark.parametrize("case", list(CASES) + ["dspark-no-confidence"])
+def test_sglang_loads_and_runs_our_export(case, sglang_reports):
+    draft, cfg, out, rep = sglang_reports[case]
+    algorithm = cfg["deepspec"]["algorithm"]
     allowed_unset = {"model.embed_tokens.weight"}  # shared with the target by SGLang's EAGLE worker
     allowed_unset |= {f"model.layers.{i}.input_layernorm.weight" for i in range(1, 4)}  # SGLang's deeper layers use hidden_norm
     # d2t becomes SGLang's hot_token_id (no parameter; checked below); t2d is read by nobody (SGLang skips it)
@@ -97,8 +110,11 @@ def test_sglang_loads_and_runs_our_export(case, tmp_path, sglang_side, one_torch
     else:
         assert cfg["dflash_config"]["target_layer_ids"] == list(draft.taps)
     if algorithm == "dspark":
-        assert rep["markov_head"] == {"vanilla": "VanillaMarkov", "rnn": "RNNHead", "gated": "GatedMarkovHead"}[fields.get("markov_head_type", "vanilla")]
+        kind = cfg["markov_head_type"]
+        assert rep["markov_head"] == {"vanilla": "VanillaMarkov", "rnn": "RNNHead", "gated": "GatedMarkovHead"}[kind]
         assert "speculators_model_type" not in cfg and cfg["architectures"] == ["Qwen3DSparkModel"]
+        # the confidence head was built and compared, except in static mode for a draft without one
+        assert ("confidence_logit" in diffs) is (case != "dspark-no-confidence")
 
 
 def _tensors(out):
@@ -130,13 +146,3 @@ def test_sglang_refuses_eagle3_it_cannot_run(tmp_path, family, fields, match):
     assert export_draft(ckpt, tmp_path / "vllm", "vllm").is_dir()  # vLLM runs it
 
 
-@pytest.mark.slow
-def test_sglang_dspark_without_confidence_head_runs_in_static_verify_mode(tmp_path, sglang_side):
-    """SGLang's default verify mode builds no confidence head, so a draft without one loads there (the
-    confidence-driven modes would refuse it: documented in docs/export.md)."""
-    _, ckpt = _ckpt(tmp_path, "qwen3", "dspark", mask_token_id=259, enable_confidence_head=False)
-    out = export_draft(ckpt, tmp_path / "out", "sglang", dtype="float32")
-    assert json.loads((out / "config.json").read_text())["enable_confidence_head"] is False
-    rep = _probe(sglang_side, ckpt, out, verify_mode="static")
-    assert rep["unconsumed"] == [] and rep["unset"] == []
-    assert all(v < 1e-4 for v in rep["max_abs_diff"].values()), rep["max_abs_diff"]
