@@ -237,15 +237,14 @@ class BlockDraft(TargetBackedDraft):
         z = self._head_features(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
         conf = self._confidence_logit(h.reshape(b * na, p_n, -1), prev.reshape(b * na, p_n))
         weights = torch.exp(-p_idx.float() / self.model_cfg.loss_decay_gamma).expand(b, na, p_n)
-        # keep only supervised rows: everything below is per row
+        # every prediction row, unsupervised ones at weight 0 (selecting rows would read their count on the host)
         sel = eval_mask.reshape(-1)
-        rows_h = h.reshape(-1, h.shape[-1])[sel]
-        rows_z = None if z is None else z.reshape(-1, z.shape[-1])[sel]
-        rows_conf = None if conf is None else conf.reshape(-1)[sel]
-        rows_label = labels.reshape(-1)[sel]
-        rows_fh = batch.final_hidden.gather(1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])[sel]
-        rows_w = weights.reshape(-1)[sel]
-        rows_depth = p_idx.expand(b, na, p_n).reshape(-1)[sel]
+        rows_h = h.reshape(-1, h.shape[-1])
+        rows_z = None if z is None else z.reshape(-1, z.shape[-1])
+        rows_conf = None if conf is None else conf.reshape(-1)
+        rows_label = labels.reshape(-1)
+        rows_fh = batch.final_hidden.gather(1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])
+        rows_w = weights.reshape(-1) * sel
         ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label)
         w_sum = rows_w.sum().clamp(min=1e-9)
         ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
@@ -261,10 +260,10 @@ class BlockDraft(TargetBackedDraft):
             bce = F.binary_cross_entropy_with_logits(rows_conf.float(), target_acc, reduction="none")
             conf_loss = (rows_w * bce).sum() / w_sum
             total = total + conf_alpha * conf_loss
-            err = (torch.sigmoid(rows_conf.detach().float()) - target_acc).abs()
+            err = (torch.sigmoid(rows_conf.detach().float()) - target_acc).abs() * sel
             metrics["confidence_loss"] = ((rows_w * bce).sum().detach(), rows_w.sum())
-            metrics["confidence_abs_error"] = (err.sum(), torch.tensor(float(err.numel()), device=dev))
-        metrics.update(self._depth_metrics(alpha, top, rows_depth, eval_mask))
+            metrics["confidence_abs_error"] = (err.sum(), sel.sum().float())
+        metrics.update(self._depth_metrics(alpha, top, eval_mask))
         metrics["anchors"] = (keep.sum().float(), torch.tensor(float(b), device=dev))
         metrics[LOSS_WEIGHT] = (rows_w.sum().detach(), torch.ones((), device=dev))
         return total, metrics
@@ -301,19 +300,15 @@ class BlockDraft(TargetBackedDraft):
         top = (logits.detach().argmax(-1) == p_t.argmax(-1)).float()
         return ce, l1, alpha, top
 
-    def _depth_metrics(self, alpha, top, depth, eval_mask) -> Metrics:
+    def _depth_metrics(self, alpha, top, eval_mask) -> Metrics:
         """alpha_tf@k / top1@k per prediction depth over supervised predictions (teacher-forced prefix);
         expected_tau / greedy_tau per block = 1 + sum_k prod_{i<=k} alpha_i over its supervised prefix
-        (blocks with at least one supervised prediction); survival@k = mean prod_{i<=k} alpha_i."""
+        (blocks with at least one supervised prediction); survival@k = mean prod_{i<=k} alpha_i.
+        alpha / top: one value per prediction row (every row; the mask picks the supervised ones)."""
         out: Metrics = {}
         p_n = self.num_predictions
-        dev = eval_mask.device
-        a_full = torch.zeros(eval_mask.shape, device=dev).reshape(-1)
-        t_full = torch.zeros_like(a_full)
-        sel = eval_mask.reshape(-1)
-        a_full[sel] = alpha.detach().float()
-        t_full[sel] = top.float()
-        a_full, t_full = a_full.view(-1, p_n), t_full.view(-1, p_n)
+        a_full = alpha.detach().float().view(-1, p_n)
+        t_full = top.float().view(-1, p_n)
         m = eval_mask.reshape(-1, p_n).float()
         for k in range(p_n):
             cnt = m[:, k].sum()
