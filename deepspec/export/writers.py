@@ -5,8 +5,10 @@
   * DFlash        -> `DFlashDraftModel` (model_type qwen3), dflash_config.target_layer_ids = our taps.
   * DSpark        -> speculators format (`speculators_model_type: dspark`) that vLLM maps to Qwen3DSparkModel.
 
-Layer ids are translated only through deepspec.targets.taps. The export refuses a checkpoint whose
-recorded target does not match the target it is exported for.
+These are vLLM 0.32's layouts; `--format sglang` rewrites them into SGLang's (export/sglang.py). Every export
+either runs in its engine as trained or is refused with the reason (`_check_vllm`, export/sglang.py), and
+writes a model card (export/card.py). Layer ids are translated only through deepspec.targets.taps. The export
+refuses a checkpoint whose recorded target does not match the target it is exported for.
 """
 
 from __future__ import annotations
@@ -210,6 +212,7 @@ def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
 
 
 def _engine_refusals(algo, meta, cfg, weights, draft) -> dict[str, str | None]:
+    """engine -> None when it runs this draft as trained, else the sentence saying why not (for the card too)."""
     from deepspec.export.sglang import BUILDERS
 
     out: dict[str, str | None] = {}
@@ -237,9 +240,11 @@ def export_draft(
     config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
     block_size - 1). `eval_results`: the eval results.json the model card (README.md) reports (default:
     `<checkpoint>/eval/results.json`; absent = the card says "not measured")."""
-    from deepspec.export.serve import served_tokens
-
     from safetensors.torch import save_file
+
+    from deepspec.export.card import find_eval_results, model_card
+    from deepspec.export.sglang import BUILDERS
+    from deepspec.export.serve import served_tokens
 
     if fmt not in FORMATS:
         raise ConfigError(f"Unknown export format '{fmt}'; use one of {', '.join(FORMATS)}.")
@@ -264,8 +269,6 @@ def export_draft(
     if engines[fmt]:
         raise ConfigError(engines[fmt])
     if fmt == "sglang":  # SGLang's layouts are rewrites of the vLLM ones (fields added above reach both)
-        from deepspec.export.sglang import BUILDERS
-
         cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
@@ -285,8 +288,6 @@ def export_draft(
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        from deepspec.export.card import find_eval_results, model_card
-
         n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
         (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))
         recipe = Path(checkpoint) / "config.yaml"
