@@ -1,9 +1,20 @@
 #!/usr/bin/env python
-"""GPU smoke run and figures: training (torchrun + NCCL, bf16 autocast, DDP / FSDP2 / torch.compile) and
-speculative decoding on CUDA, on random-weight targets built from configs. Prints one JSON object.
+"""GPU figures: training at users' scale beside the peer trainer, the recipes on torchrun + NCCL (DDP / FSDP2 /
+torch.compile), and speculative decoding on CUDA, on random-weight targets built from configs. Prints one JSON object.
 
-    python benchmarks/bench_gpu.py                                 # on a CUDA machine: everything below
-    python benchmarks/bench_gpu.py --tiny --variants ddp fsdp      # a quick CPU check of the same code paths
+    python benchmarks/bench_gpu.py --peer-wheels .peer-wheels      # on a CUDA machine: the `scale` section (default)
+    python benchmarks/bench_gpu.py --sections recipes              # the recipe / evaluator section described below
+    python benchmarks/bench_gpu.py --scale-shape smollm2 --scale-seq-len 512 --scale-long-seq-len 1024 --no-peer
+                                                                   # a quick CPU check of the scale section's code path
+
+Section `scale` (benchmarks/bench_train.py in this process's machine, one subprocess per row): a Qwen3-8B-shaped
+target (random embedding / norm / LM head), EAGLE-3 and DFlash at `--scale-seq-len` (4096) tokens per sample, bf16:
+our tokens/s, peak GPU memory, MFU (FLOPs counted by torch), and `speculators` 0.9.0 training the same EAGLE-3 on the
+same samples on the same GPU (its wheels, made by `bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with
+pip --target into /tmp/peer-site and run with this python; `--no-peer` skips it); then one EAGLE-3 sample of
+`--scale-long-seq-len` (32768) tokens, which must train without running out of memory.
+
+Section `recipes`:
 
 Targets (random weights, so acceptance and tau mean nothing; the tokenizer is the tiny byte-level one of
 deepspec.targets.tiny, so the synthetic text is ~1 token per byte):
@@ -137,6 +148,36 @@ def _eval_run(ckpt: Path, dtype: str, args, out_dir: Path) -> dict:
     }
 
 
+def _bench_train(argv: list[str], timeout: int) -> dict:
+    """benchmarks/bench_train.py with `argv`; its JSON (or an error row)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"bench_train {' '.join(argv)} did not finish within {timeout} s"}
+    if proc.returncode != 0:
+        return {"error": " | ".join([ln for ln in proc.stderr.splitlines() if ln.strip()][-3:])}
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def scale_runs(args, work: Path) -> dict:
+    """Qwen3-8B-shaped EAGLE-3 / DFlash at 4k tokens beside the peer, then one 32k-token EAGLE-3 sample."""
+    peer: list[str] = ["--no-peer"] if args.no_peer else []
+    if not args.no_peer and args.peer_wheels:
+        site = Path("/tmp/peer-site")
+        wheels = sorted(str(w) for w in Path(args.peer_wheels).glob("*.whl"))
+        rc = subprocess.call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                              "--target", str(site), *wheels])
+        peer = ["--peer-python", sys.executable, "--peer-pythonpath", str(site)] if rc == 0 else ["--no-peer"]
+    common = ["--shape", args.scale_shape, "--steps", str(args.scale_steps)]
+    out = {"shape": args.scale_shape}
+    out["throughput"] = _bench_train([*common, "--seq-len", str(args.scale_seq_len), "--algorithms", *args.scale_algorithms,
+                                      "--workdir", str(work / "scale"), *peer], timeout=340)
+    out["long_sample"] = _bench_train([*common, "--steps", "2", "--seq-len", str(args.scale_long_seq_len), "--algorithms",
+                                       "eagle3", "--no-peer", "--workdir", str(work / "scale-long")], timeout=200)
+    return out
+
+
 def _environment() -> dict:
     import importlib.util
 
@@ -156,6 +197,14 @@ def _environment() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", nargs="+", choices=["scale", "recipes"], default=["scale"])
+    p.add_argument("--scale-shape", default="qwen3-8b")
+    p.add_argument("--scale-seq-len", type=int, default=4096)
+    p.add_argument("--scale-long-seq-len", type=int, default=32768)
+    p.add_argument("--scale-algorithms", nargs="+", default=["eagle3", "dflash"])
+    p.add_argument("--scale-steps", type=int, default=4)
+    p.add_argument("--peer-wheels", default=None, help="a folder of the peer's wheels (benchmarks/peer_setup.sh --gpu-wheels)")
+    p.add_argument("--no-peer", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny targets and short runs (a CPU check of the code paths)")
     p.add_argument("--shapes", nargs="*", default=None, help="default: smollm2 qwen3-4b (tiny-llama tiny-qwen3 with --tiny)")
     p.add_argument("--algorithms", nargs="*", default=["eagle3", "dflash", "dspark"])
@@ -209,6 +258,15 @@ def main() -> int:
             emit()
             return True
         return False
+
+    if "scale" in args.sections:
+        result["scale"] = scale_runs(args, work)
+        emit()
+    if "recipes" not in args.sections:
+        result["wall_s"] = round(time.perf_counter() - t_start, 1)
+        emit()
+        print(json.dumps(_json_safe(result), indent=2, default=str))
+        return 0
 
     trained: dict[tuple[str, str], Path] = {}
     prepared: dict[str, tuple[Path, Path]] = {}

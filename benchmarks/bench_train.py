@@ -199,6 +199,11 @@ def _our_row(spec: dict) -> dict:
         draft.set_token_frequencies(data.token_counts())
         parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
                            write_draft=lambda d, w: None)
+        flops_per_token = None
+        if info.device.type == "cuda":  # counted on the plain draft, before the trainer wraps (FSDP) it
+            flops_per_token = _flops_per_token(draft, cfg, samples[0], info.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(info.device)
         loop._train(cfg, info, parts)
         out: dict = {}
         logged = sorted(stamps)
@@ -219,7 +224,8 @@ def _our_row(spec: dict) -> dict:
         out["measured_steps"] = n_steps
         if info.device.type == "cuda":
             out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
-            out["mfu"] = _mfu(draft, cfg, samples[0], info.device, real / elapsed)
+            out["mfu"] = _mfu(flops_per_token, real / elapsed, cfg, info.device)
+            out["flops_per_token"] = flops_per_token
         else:
             out["peak_memory_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
             out["mfu"] = None
@@ -233,28 +239,33 @@ def _our_row(spec: dict) -> dict:
         teardown(info)
 
 
-def _mfu(draft, cfg, sample: dict, device, tokens_per_s: float) -> float | None:
-    """Model FLOPs of one forward + backward of one sample (counted by torch), times samples/s, over the GPU's peak."""
+def _flops_per_token(draft, cfg, sample: dict, device) -> float:
+    """Model FLOPs of one forward + backward of one sample (counted by torch's FlopCounterMode), per token."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from deepspec.train.batches import collate_features
     from deepspec.train.loop import autocast_context
 
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    if peak is None:
-        return None
+    draft.to(device).train()
     batch = collate_features([sample]).to(device, torch.float32)
-    autocast = autocast_context(cfg, device)
-    bf16 = cfg.train.precision in ("auto", "bf16", "bf16_if_native")
-    draft.train()
     with FlopCounterMode(display=False) as counter:
-        with autocast():
+        with autocast_context(cfg, device)():
             loss, _ = draft.loss(batch)
         loss.backward()
     draft.zero_grad(set_to_none=True)
-    flops_per_token = counter.get_total_flops() / int(batch.attention_mask.sum())
+    return counter.get_total_flops() / int(batch.attention_mask.sum())
+
+
+def _mfu(flops_per_token: float | None, tokens_per_s: float, cfg, device) -> float | None:
+    """Model FLOPs per second over the GPU's dense peak for the run's precision (null for GPUs not in PEAK_FLOPS)."""
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    if peak is None or not flops_per_token:
+        return None
+    bf16 = cfg.train.precision in ("auto", "bf16", "bf16_if_native")
     return round(flops_per_token * tokens_per_s / (peak[0] if bf16 else peak[1]), 4)
 
 
