@@ -4,10 +4,11 @@ torch.compile), and speculative decoding on CUDA, on random-weight targets built
 
     python benchmarks/bench_gpu.py --peer-wheels .peer-wheels      # on a CUDA machine: the `scale` section (default)
     python benchmarks/bench_gpu.py --sections recipes              # the recipe / evaluator section described below
+    python benchmarks/bench_gpu.py --tiny --variants ddp fsdp      # a quick CPU check of the recipes section
     python benchmarks/bench_gpu.py --scale-shape smollm2 --scale-seq-len 512 --scale-long-seq-len 1024 --no-peer
                                                                    # a quick CPU check of the scale section's code path
 
-Section `scale` (benchmarks/bench_train.py in this process's machine, one subprocess per row): a Qwen3-8B-shaped
+Section `scale` (benchmarks/bench_train.py, one subprocess per row): a Qwen3-8B-shaped
 target (random embedding / norm / LM head), EAGLE-3 and DFlash at `--scale-seq-len` (4096) tokens per sample, bf16:
 our tokens/s, peak GPU memory, MFU (FLOPs counted by torch), and `speculators` 0.9.0 training the same EAGLE-3 on the
 same samples on the same GPU (its wheels, made by `bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with
@@ -197,7 +198,8 @@ def _environment() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", choices=["scale", "recipes"], default=["scale"])
+    p.add_argument("--sections", nargs="+", choices=["scale", "recipes"], default=None,
+                   help="default: scale (recipes with --tiny)")
     p.add_argument("--scale-shape", default="qwen3-8b")
     p.add_argument("--scale-seq-len", type=int, default=4096)
     p.add_argument("--scale-long-seq-len", type=int, default=32768)
@@ -259,6 +261,7 @@ def main() -> int:
             return True
         return False
 
+    args.sections = args.sections or (["recipes"] if args.tiny else ["scale"])
     if "scale" in args.sections:
         result["scale"] = scale_runs(args, work)
         emit()
