@@ -146,3 +146,15 @@ def test_sglang_refuses_eagle3_it_cannot_run(tmp_path, family, fields, match):
     assert export_draft(ckpt, tmp_path / "vllm", "vllm").is_dir()  # vLLM runs it
 
 
+
+
+def test_sglang_block_export_names_its_mask_token(tmp_path, tiny_qwen3_dir):
+    """SGLang looks dflash_config.mask_token up in the target's tokenizer (default `<|MASK|>`) and refuses to start
+    when that names another id than mask_token_id: the export names our id's own token."""
+    from deepspec.targets.load import load_tokenizer
+
+    for algorithm in ("dflash", "dspark"):
+        _, ckpt = _ckpt(tmp_path / algorithm, "qwen3", algorithm, mask_token_id=259)
+        cfg = json.loads((export_draft(ckpt, tmp_path / algorithm / "out", "sglang", target=str(tiny_qwen3_dir)) / "config.json").read_text())
+        token = cfg["dflash_config"]["mask_token"]
+        assert load_tokenizer(str(tiny_qwen3_dir)).get_vocab()[token] == cfg["dflash_config"]["mask_token_id"] == 259

@@ -63,11 +63,9 @@ def _sizes(arch: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
-def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | None:
-    """Compare the checkpoint's provenance and sizes with the target's config.json; raise on a mismatch.
-
-    `target` is a folder (or embedded name); without it, the provenance's target_path is used when it
-    exists. Returns the target's config dict (None when no target folder could be found)."""
+def target_folder(meta: dict[str, Any], target: str | None) -> Path | None:
+    """The target's local folder: `target` (a folder or embedded name), else the provenance's recorded path
+    when it still exists; None when there is none to read."""
     from deepspec.targets.load import resolve_target_path
 
     prov = meta.get("provenance", {})
@@ -87,6 +85,16 @@ def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | N
             if (p / "config.json").is_file():
                 path = p
                 break
+    return path
+
+
+def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | None:
+    """Compare the checkpoint's provenance and sizes with the target's config.json; raise on a mismatch.
+
+    `target` is a folder (or embedded name); without it, the provenance's target_path is used when it
+    exists. Returns the target's config dict (None when no target folder could be found)."""
+    prov = meta.get("provenance", {})
+    path = target_folder(meta, target)
     if path is None:
         return None
     cfg = json.loads((path / "config.json").read_text())
@@ -211,6 +219,18 @@ def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
         )
 
 
+def _name_mask_token(cfg: dict[str, Any], folder: Path | None) -> None:
+    """SGLang's block drafts look their mask token string up in the target's tokenizer (default `<|MASK|>`) and
+    refuse to start when it names another id than dflash_config.mask_token_id: name our id's own token."""
+    if folder is None or not (folder / "tokenizer_config.json").is_file():
+        return
+    from deepspec.targets.load import load_tokenizer
+
+    token = load_tokenizer(str(folder)).convert_ids_to_tokens(cfg["dflash_config"]["mask_token_id"])
+    if token:
+        cfg["dflash_config"]["mask_token"] = token
+
+
 def _engine_refusals(algo, meta, cfg, weights, draft) -> dict[str, str | None]:
     """engine -> None when it runs this draft as trained, else the sentence saying why not (for the card too)."""
     from deepspec.export.sglang import BUILDERS
@@ -270,6 +290,8 @@ def export_draft(
         raise ConfigError(engines[fmt])
     if fmt == "sglang":  # SGLang's layouts are rewrites of the vLLM ones (fields added above reach both)
         cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
+        if "dflash_config" in cfg:
+            _name_mask_token(cfg, target_folder(meta, target))
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
