@@ -146,3 +146,60 @@ def test_packing_collate_and_config():
     assert batch.position_ids[0, : LENGTHS[0] + 1].tolist() == list(range(LENGTHS[0])) + [0]
     with pytest.raises(ConfigError, match="pack_tokens"):
         TrainConfig(pack_tokens=-1).validate()
+
+
+def test_training_loop_with_packing_logs_the_padded_runs_losses(tmp_path, tiny_llama_dir, monkeypatch):
+    """train.pack_tokens through the real loop: EAGLE-3's per-step losses equal the unpacked run's (same samples)."""
+    import json
+    from pathlib import Path
+
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+    from deepspec.train import train
+
+    repo = Path(__file__).resolve().parents[1]
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = []
+    for i in range(16):
+        q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+        a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 30)))
+        rows.append(json.dumps({"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
+    (data / "regenerated.jsonl").write_text("\n".join(rows) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"""_base_: {repo}/config/quickstart/eagle3.yaml
+project: t
+exp: pack
+output_root: {tmp_path}/out
+target: {{name: {tiny_llama_dir}, dtype: float32}}
+data: {{dir: {data}}}
+cache: {{max_length: 128}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false}}
+train: {{output_root: {tmp_path}/ckpt, optimizer: adamw, precision: fp32, global_batch_size: 8, micro_batch_size: 4, max_steps: 2,
+         save_every: 100, val_every: 100, log_every: 1, num_workers: 0}}
+logging: {{progress: false, wandb: false, tensorboard: false}}
+"""
+    )
+    build_cache(load_config(recipe), "train")
+    import deepspec.train.batches as batches
+
+    packed_rows = []
+
+    def counting(batch, pack_tokens):
+        out = pack_batch(batch, pack_tokens)
+        packed_rows.append((batch.input_ids.shape[0], out.input_ids.shape[0]))
+        return out
+
+    monkeypatch.setattr(batches, "pack_batch", counting)
+    losses = {}
+    for pack in (0, 96):
+        cfg = load_config(recipe, [f"train.pack_tokens={pack}", f"exp=pack{pack}"])
+        train(cfg)
+        log = [json.loads(x) for x in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
+        losses[pack] = [r["train/loss"] for r in log]
+    assert len(losses[0]) == 2
+    assert len(packed_rows) == 4 and any(rows < samples for samples, rows in packed_rows)  # 2 steps x 2 micro-batches
+    assert losses[96] == pytest.approx(losses[0], rel=1e-5)

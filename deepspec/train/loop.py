@@ -37,7 +37,7 @@ from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
-from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, sample_lengths, supervise_all_tokens
+from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, packing, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
@@ -117,6 +117,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     collate = collate_fn(parts.train_data)
     if tcfg.loss_tokens == "all":
         collate = supervise_all_tokens(collate)
+    collate = packing(collate, tcfg.pack_tokens)  # train.pack_tokens > 0: several samples per row
     if info.device.type == "cuda":
         collate = pin_batch(collate)  # in the loader thread, so the copy to the GPU is an async DMA
 
