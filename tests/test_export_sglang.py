@@ -138,6 +138,7 @@ def test_sglang_source_still_adds_one_to_eagle3_and_dflash_layer_ids(sglang_side
 @pytest.mark.parametrize("family, fields, match", [
     ("qwen3", dict(), "q/k RMSNorms"),  # a Qwen3 target's EAGLE-3 draft has Qwen3-style layers by default
     ("llama", dict(norm_before_residual=True), "norm_before_residual"),
+    ("llama", dict(layer_types=["sliding_attention"], sliding_window=8), "sliding-window"),
 ])
 def test_sglang_refuses_eagle3_it_cannot_run(tmp_path, family, fields, match):
     _, ckpt = _ckpt(tmp_path, family, "eagle3", **fields)
@@ -158,3 +159,9 @@ def test_sglang_block_export_names_its_mask_token(tmp_path, tiny_qwen3_dir):
         cfg = json.loads((export_draft(ckpt, tmp_path / algorithm / "out", "sglang", target=str(tiny_qwen3_dir)) / "config.json").read_text())
         token = cfg["dflash_config"]["mask_token"]
         assert load_tokenizer(str(tiny_qwen3_dir)).get_vocab()[token] == cfg["dflash_config"]["mask_token_id"] == 259
+
+
+def test_sglang_refuses_sliding_window_block_drafts(tmp_path):
+    _, ckpt = _ckpt(tmp_path, "qwen3", "dflash", mask_token_id=259, layer_types=["sliding_attention"], sliding_window=8)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        export_draft(ckpt, tmp_path / "out", "sglang")

@@ -42,6 +42,13 @@ def _refuse(what: str, why: str, fix: str) -> ConfigError:
 
 def _check_common(meta: dict[str, Any]) -> None:
     arch = meta["arch"]
+    if "sliding_attention" in (arch.get("layer_types") or []):
+        raise _refuse(
+            "it has sliding-window draft layers (model.layer_types)",
+            "SGLang's EAGLE-3 class ignores per-layer windows (it has only the server-wide --speculative-draft-window-size), "
+            "and its DFlash/DSpark sliding layers switch to causal attention with a window convention of their own.",
+            "Export it with --format vllm, or train with full-attention draft layers.",
+        )
     if arch.get("hidden_act", "silu") != "silu":
         raise _refuse(f"its MLP uses {arch['hidden_act']}", "SGLang's draft MLPs (LlamaMLP, DFlashMLP) are SiLU-gated only.",
                       "Export it with --format vllm.")
