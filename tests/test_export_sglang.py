@@ -165,3 +165,12 @@ def test_sglang_refuses_sliding_window_block_drafts(tmp_path):
     _, ckpt = _ckpt(tmp_path, "qwen3", "dflash", mask_token_id=259, layer_types=["sliding_attention"], sliding_window=8)
     with pytest.raises(ConfigError, match="sliding-window"):
         export_draft(ckpt, tmp_path / "out", "sglang")
+
+
+def test_sglang_refuses_multi_stream_taps(tmp_path):
+    _, ckpt = _ckpt(tmp_path, "llama", "eagle3")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["deepspec"]["arch"]["target_hc_mult"] = 4
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="4-stream"):
+        export_draft(ckpt, tmp_path / "out", "sglang")

@@ -42,6 +42,12 @@ def _refuse(what: str, why: str, fix: str) -> ConfigError:
 
 def _check_common(meta: dict[str, Any]) -> None:
     arch = meta["arch"]
+    if int(arch.get("target_hc_mult", 1) or 1) > 1:
+        raise _refuse(
+            f"it reads taps of a {arch['target_hc_mult']}-stream (hyper-connection) target",
+            "SGLang's draft classes size fc for one hidden-size state per tap and its targets capture no stream reduction.",
+            "Export it with --format vllm.",
+        )
     if "sliding_attention" in (arch.get("layer_types") or []):
         raise _refuse(
             "it has sliding-window draft layers (model.layer_types)",
