@@ -105,3 +105,19 @@ def test_sliding_settings_are_validated_and_exported():
 
     cfg = _sizes(arch, "qwen3")
     assert cfg["layer_types"] == arch["layer_types"] and cfg["sliding_window"] == 5 and cfg["use_sliding_window"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_a_sliding_window_dflash_export(smollm2_dir, tmp_path):
+    """The exported layer_types / sliding_window load in real vLLM (CPU) and the draft is served."""
+    pytest.importorskip("vllm")
+    import json
+
+    from test_export_vllm import _export, _serve_and_count
+
+    draft_dir = _export(smollm2_dir, tmp_path, "dflash", block_size=4, num_draft_layers=1, layer_types=["sliding_attention"], sliding_window=64)
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == 64
+    counts = _serve_and_count(smollm2_dir, draft_dir, "dflash", 3, tmp_path)
+    assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]
