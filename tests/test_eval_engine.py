@@ -101,3 +101,18 @@ def test_served_speedup_arithmetic():
     assert sp["gsm8k"]["single"]["speedup"] == pytest.approx(2.0) and sp["gsm8k"]["concurrent"]["speedup"] == pytest.approx(1.0)
     assert sp["overall"]["single"]["spec_tokens_per_s"] == pytest.approx(150 / 4) and sp["overall"]["single"]["baseline_tokens_per_s"] == pytest.approx(150 / 6)
     assert sp["overall"]["concurrent"]["speedup"] == pytest.approx((150 / 2) / (150 / 3))
+
+
+def test_served_speedup_prompt_selection():
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.engine import speedup_tasks
+
+    by_task = {"heldout": list(range(30)), "gsm8k": list(range(4))}
+    cfg = load_config(None, ["eval.engine_speedup_tasks=[heldout]", "eval.engine_speedup_max_samples=16"])
+    assert speedup_tasks(cfg, by_task) == {"heldout": list(range(16))}
+    assert speedup_tasks(load_config(None, ["eval.engine_speedup_max_samples=2"]), by_task) == {"heldout": [0, 1], "gsm8k": [0, 1]}
+    with pytest.raises(ConfigError, match="not eval tasks"):
+        speedup_tasks(load_config(None, ["eval.engine_speedup_tasks=[mbpp]"]), by_task)
+    with pytest.raises(ConfigError, match="engine_speedup_max_samples"):
+        load_config(None, ["eval.engine_speedup_max_samples=0"])

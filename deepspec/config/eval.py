@@ -37,6 +37,14 @@ class EvalConfig:
     engine_extra_args: list[str] = field(default_factory=list)
     engine_max_concurrency: int = 8
     engine_max_model_len: int = 4096
+    # Served speedup: vLLM's output tokens/s with and without the draft (same prompts, same server settings), one
+    # request at a time and 16 in flight. null = follow measure_speedup. It decodes every timed prompt four times and
+    # starts a second server, so the knobs below bound it: the tasks timed (empty = every eval task), the prompts per
+    # task (the first N of that task's eval prompts) and the answer cap while timing (null = eval.max_new_tokens).
+    engine_speedup: bool | None = None
+    engine_speedup_tasks: list[str] = field(default_factory=list)
+    engine_speedup_max_samples: int = 16
+    engine_speedup_max_new_tokens: int | None = None
 
     def validate(self) -> None:
         from deepspec.errors import ConfigError
@@ -51,6 +59,10 @@ class EvalConfig:
             raise ConfigError(f"eval.num_workers must be >= 0 (0 = auto), got {self.num_workers}.")
         if self.max_samples is not None and self.max_samples < 1:
             raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}.")
+        if self.engine_speedup_max_samples < 1:
+            raise ConfigError(f"eval.engine_speedup_max_samples must be >= 1, got {self.engine_speedup_max_samples}.")
+        if self.engine_speedup_max_new_tokens is not None and self.engine_speedup_max_new_tokens < 1:
+            raise ConfigError(f"eval.engine_speedup_max_new_tokens must be >= 1 or null, got {self.engine_speedup_max_new_tokens}.")
         bad = {task: n for task, n in self.task_max_samples.items() if not isinstance(n, int) or n < 1}
         if bad:
             raise ConfigError(f"eval.task_max_samples needs a count >= 1 per task, got {bad}.")

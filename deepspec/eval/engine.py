@@ -85,11 +85,12 @@ def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, A
 class _Client:
     """OpenAI-compatible chat client with per-request token budgets that fit max_model_len."""
 
-    def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int):
+    def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int, max_new_tokens: int | None = None):
         import httpx
 
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
         self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
+        self.max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
         self.skipped = 0
         self.completion_tokens = 0  # summed over requests (the engine's own usage count)
         self._lock = threading.Lock()
@@ -99,7 +100,7 @@ class _Client:
 
         kwargs = dict(self.cfg.target.chat_template_kwargs or {})
         n_prompt = len(render_prompt(self.tok, messages, kwargs))
-        budget = min(self.cfg.eval.max_new_tokens, self.max_model_len - n_prompt - 1)
+        budget = min(self.max_new_tokens, self.max_model_len - n_prompt - 1)
         if budget < 1:
             self.skipped += 1
             return None
@@ -141,6 +142,17 @@ def time_tasks(client: "_Client", by_task: dict[str, list], seed: int) -> dict[s
             seconds, tokens = time.perf_counter() - t0, client.completion_tokens - tokens0
             out.setdefault(task, {})[mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None}
     return out
+
+
+def speedup_tasks(cfg, by_task: dict[str, list]) -> dict[str, list]:
+    """The prompts the served speedup times: eval.engine_speedup_tasks (empty = all), the first
+    eval.engine_speedup_max_samples of each."""
+    wanted = list(cfg.eval.engine_speedup_tasks) or list(by_task)
+    unknown = [t for t in wanted if t not in by_task]
+    if unknown:
+        raise ConfigError(f"eval.engine_speedup_tasks names {unknown}, which are not eval tasks of this run ({sorted(by_task)}); "
+                          "pick among eval.tasks or leave it empty to time every task.")
+    return {t: by_task[t][: cfg.eval.engine_speedup_max_samples] for t in wanted}
 
 
 def speedups(spec: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -233,18 +245,22 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     target_path = resolve_target_path(target_name)
     export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
+    do_time = cfg.eval.measure_speedup if cfg.eval.engine_speedup is None else cfg.eval.engine_speedup
+    timed = speedup_tasks(cfg, by_task) if do_time else {}
+    timed_tokens = cfg.eval.engine_speedup_max_new_tokens
     server_kwargs = dict(extra_args=list(cfg.eval.engine_extra_args), dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len)
     with VLLMServer(target_path, speculative_config=spec, log_path=out_dir / "vllm_server.log", **server_kwargs) as server:
         out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
-        if cfg.eval.measure_speedup:
-            spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len),
-                                     by_task, cfg.eval.seed)
-    if cfg.eval.measure_speedup:  # the same prompts and server settings without the draft
+        if timed:
+            spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens),
+                                     timed, cfg.eval.seed)
+    if timed:  # the same prompts and server settings without the draft
         with VLLMServer(target_path, log_path=out_dir / "vllm_server_baseline.log", **server_kwargs) as server:
-            base_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len),
-                                     by_task, cfg.eval.seed)
+            base_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens),
+                                     timed, cfg.eval.seed)
         out["speedup"] = speedups(spec_timing, base_timing)
-        out["timing"] = {"with_draft": spec_timing, "without_draft": base_timing}
+        out["timing"] = {"with_draft": spec_timing, "without_draft": base_timing,
+                         "prompts_per_task": {t: len(v) for t, v in timed.items()}, "max_new_tokens": timed_tokens or cfg.eval.max_new_tokens}
         for task, sp in out["speedup"].items():
             log.info("vLLM %s: speedup %s (1 request), %s (16 concurrent)", task, _fmt(sp["single"]["speedup"]), _fmt(sp["concurrent"]["speedup"]))
     import vllm
