@@ -452,9 +452,18 @@ class Eagle3Proposer(Proposer):
             emb = d.embed(input_ids[start + 1 : total].unsqueeze(0)).to(dtype)
             hidden = d.combine_taps(new_taps.to(device=dev, dtype=dtype).unsqueeze(0))
             pos = torch.arange(start, total - 1, device=dev)
-            keys = torch.arange(total - 1, device=dev)
-            mask = [causal_mask(pos, keys, d.arch.window(i))[None, None] for i in range(d.num_layers_total)]
-            logits, hid, kv = d.step(emb, hidden, pos.unsqueeze(0), self.cache, mask)
+            if self.cache is None:
+                # the first prefill is the training's step 0 over the whole prompt: causal SDPA, no [L, L] mask
+                ranges = [(None, 0, m)]
+
+                def attn(i, q, k, v):
+                    return chain_attention(q, k, v, [], ranges, d.arch.window(i))
+
+                logits, hid, kv, _ = d._step(emb, hidden, pos.unsqueeze(0), None, None, attn=attn)
+            else:
+                keys = torch.arange(total - 1, device=dev)
+                mask = [causal_mask(pos, keys, d.arch.window(i))[None, None] for i in range(d.num_layers_total)]
+                logits, hid, kv = d.step(emb, hidden, pos.unsqueeze(0), self.cache, mask)
             self.cache = kv if self.cache is None else [(torch.cat([c[0], x[0]], 2), torch.cat([c[1], x[1]], 2)) for c, x in zip(self.cache, kv)]
             self.n = total - 1
             self.last = (logits[0, -1], hid[:, -1:])
