@@ -1,4 +1,4 @@
-"""Metric arithmetic on hand-constructed accept patterns (DESIGN.md §3 definitions)."""
+"""Metric arithmetic on hand-constructed accept patterns (docs/evaluation.md definitions)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class ModelConfig:
     # embeddings as a tap (-1 in target_layer_ids): each row's key is its own token (that tap, passed through fc),
     # each query the row's input token, each value the row's input token, so a row attends to the earlier
     # positions that hold its token and predicts what followed there. Greedy answers of small targets loop; a
-    # one-layer draft learns this copy far too slowly from a small cache (README). Training starts from it.
+    # one-layer draft learns this copy far too slowly from a small cache (docs/algorithms.md, "Copy heads"). Training starts from it.
     init_copy_heads: bool = False
     # DFlash / DSpark
     block_size: int = 7

@@ -113,7 +113,7 @@ class Eagle3Draft(TargetBackedDraft):
         followed the same token earlier. A one-layer draft can copy in one attention hop — row s's key is
         its own token x_s (the embeddings tap, passed through fc), row t's query its input token x_{t+1},
         row s's value its input token x_{s+1} — but it learns that circuit far too slowly from a small
-        cache (README ablations). So we write it in: keys and queries compare the top principal components
+        cache (docs/benchmarks.md, copy-heads ablations). So we write it in: keys and queries compare the top principal components
         of the (RMS-normed, whitened) draft-vocabulary embeddings in the low-frequency RoPE dimensions,
         where rotation barely depends on distance; each KV head's value carries its own slice of
         components and its first query head writes them back into the residual, where the frozen

@@ -1,4 +1,4 @@
-"""Acceptance metrics of speculative decoding, with the project's names (DESIGN.md §3).
+"""Acceptance metrics of speculative decoding, with the project's names (docs/evaluation.md).
 
 One verify round = the draft proposes k tokens, the target checks them in one forward and
 accepts a prefix of A of them, then emits one token of its own (correction or bonus).

@@ -1,6 +1,6 @@
 """Eval reports: results.json (everything), results.md (tables), acceptance.png (per-depth curves).
 
-Metric names follow DESIGN.md §3: tau (incl. bonus), acc_cond@k (conditional), survival@k
+Metric names follow docs/evaluation.md: tau (incl. bonus), acc_cond@k (conditional), survival@k
 (prefix survival), E[A]@S. No bare "accept rate" anywhere.
 """
 
@@ -37,7 +37,7 @@ def _json_safe(obj: Any) -> Any:
 
 def split_table(rows: list[tuple[str, dict[str, Any]]], budget: Any, depth: int | None = None, label: str = "split") -> list[str]:
     """One table of the headline names per split / benchmark: acc0, acc_cond@k, E[A]@S3, E[A]@S7, tau@3,
-    with the answer budget (max new tokens) — the figures DESIGN.md §7 asks for on every held-out split."""
+    with the answer budget (max new tokens) — the figures reported for every held-out split."""
     rows = [(n, r) for n, r in rows if r and "skipped" not in r]
     if depth is None:
         depth = max((len(r.get("acc_cond") or []) for _, r in rows), default=0)

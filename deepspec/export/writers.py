@@ -1,4 +1,4 @@
-"""Write a deepspec draft checkpoint in the layout vLLM / SGLang load unchanged (see ENGINE_FORMATS.md).
+"""Write a deepspec draft checkpoint in the layout vLLM / SGLang load unchanged (see docs/export.md).
 
   * EAGLE-3 / 3.1 -> `LlamaForCausalLMEagle3` (Llama-style layers) or `Eagle3Qwen3ForCausalLM` (q/k norms),
     aux layer ids = our taps + 1, draft vocabulary via d2t/t2d, embeddings omitted (shared with the target).
