@@ -32,6 +32,9 @@ from deepspec.errors import ConfigError
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
+# Largest [B, T, draft vocab] fp32 target-logit table the loss keeps for all TTT steps (256 MiB).
+_LABEL_CACHE_ELEMENTS = 1 << 26
+
 
 @register("eagle3")
 class Eagle3Draft(TargetBackedDraft):
@@ -322,6 +325,12 @@ class Eagle3Draft(TargetBackedDraft):
         with_metrics = self.train_metrics or not self.training
         fh = batch.final_hidden
         target_rows = self.target_lm_head[draft_tids]
+        # Every TTT step reads the same target rows (shifted): when [B, T, Dv] is small, compute the target's
+        # draft-vocabulary logits once instead of per step; long sequences / large vocabularies recompute per chunk.
+        pre = None
+        if b * t * target_rows.shape[0] <= _LABEL_CACHE_ELEMENTS:
+            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=False):
+                pre = softcap(fh.reshape(b * t, -1).float() @ target_rows.float().T, cap).view(b, t, -1)
         lse_full = t_top = None
         if with_metrics:
             with torch.no_grad():
@@ -361,6 +370,7 @@ class Eagle3Draft(TargetBackedDraft):
                 lse_full=None if lse_full is None else lse_full[:, 1 + k : 1 + k + m].reshape(-1),
                 target_top=None if t_top is None else t_top[:, 1 + k : 1 + k + m].reshape(-1),
                 draft_tids=draft_tids,
+                target_logits=None if pre is None else pre[:, 1 + k : 1 + k + m].reshape(b * m, -1),
             )
             ce = ce.view(b, m)
             total = total + ce_w

@@ -26,7 +26,7 @@ class _SoftCE(torch.autograd.Function):
         """h [N, H] draft states, head [Dv, H] draft LM head, weights [N] per-row loss weights,
         fh [N, Ht] target final states of each row's label, target_rows [Dv, Ht] the target head's rows
         for the draft vocabulary. Returns (sum_r w_r CE_r, CE [N], argmax [N], alpha [N], top-1 match [N])."""
-        chunk, temp, cap_d, cap_t, lse_full, t_top, draft_tids, need_grad_h, need_grad_w = opts
+        chunk, temp, cap_d, cap_t, lse_full, t_top, draft_tids, need_grad_h, need_grad_w, pre = opts
         n = h.shape[0]
         grad_h = torch.zeros_like(h) if need_grad_h else None
         grad_w = torch.zeros(head.shape, dtype=torch.float32 if head.element_size() < 4 else head.dtype, device=head.device) if need_grad_w else None
@@ -37,7 +37,11 @@ class _SoftCE(torch.autograd.Function):
             raw = F.linear(hc, head)
             logits = _acc_dtype(softcap(raw, cap_d))
             with torch.no_grad():
-                sub = _acc_dtype(softcap(_acc_dtype(fh[i : i + chunk].float() @ target_rows.float().T), cap_t))
+                if pre is not None:  # the caller computed the target's draft-vocabulary logits once for all steps
+                    sub = pre[i : i + chunk]
+                else:
+                    with torch.autocast(device_type=fh.device.type, enabled=False):  # labels in fp32 under bf16 autocast too
+                        sub = softcap(fh[i : i + chunk].float() @ target_rows.float().T, cap_t)
                 p_t = torch.softmax(sub / temp, dim=-1)
             logp = torch.log_softmax(logits, dim=-1)
             ce = -(p_t * logp).sum(-1)
@@ -98,13 +102,19 @@ def soft_ce(
     lse_full: torch.Tensor | None = None,
     target_top: torch.Tensor | None = None,
     draft_tids: torch.Tensor | None = None,
+    target_logits: torch.Tensor | None = None,
 ):
     """Row-chunked soft CE with the head fused (see the module docstring); gradients flow to h and head.
 
     Returns (sum_r weights_r * CE_r [scalar, differentiable], CE [N], draft argmax [N] in draft ids, and when
     lse_full / target_top (the target's full-vocabulary log-normaliser and argmax per row) are given:
-    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None)."""
-    opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad, head.requires_grad)
+    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None).
+
+    target_logits [N, Dv] (fp32, soft-capped): the target's draft-vocabulary logits of each row, when the caller
+    can afford to hold them (then fh / target_rows are not read): EAGLE-3's TTT steps read the same target rows
+    shifted, so a small [T, Dv] computed once saves a matmul per step."""
+    opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad,
+            head.requires_grad, target_logits)
     return _SoftCE.apply(h, head, weights.detach(), fh, target_rows, opts)
 
 
