@@ -31,17 +31,12 @@ def sglang_side():
     return r.stdout.strip().splitlines()[-1]
 
 
-def _ckpt(tmp_path, family, algorithm, name="ckpt", qk_norm=None, **fields):
-    from deepspec.drafts.layers import arch_from_target
-
+def _ckpt(tmp_path, family, algorithm, name="ckpt", **fields):
     fields.setdefault("target_layer_ids", [0, 2, 3])
     cfg = ModelConfig(algorithm=algorithm, block_size=4, markov_rank=8, **fields)
     torch.manual_seed(0)
-    cls = get_algorithm(algorithm)
-    if qk_norm is None:
-        draft = cls.from_target_config(tiny_config(family), cfg)
-    else:  # the draft layer style forced (Llama-style layers for a Qwen3 target)
-        draft = cls(arch_from_target(tiny_config(family), cfg, qk_norm=qk_norm), cfg, list(fields["target_layer_ids"]))
+    # model.qk_norm=false in `fields` gives a Qwen3 target Llama-style EAGLE-3 layers, through the recipe's own path
+    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
     if algorithm == "eagle3":
         draft.set_token_frequencies(torch.arange(320).float())
     with torch.no_grad():  # random everywhere, norms included, so a swapped or skipped tensor shows
@@ -174,3 +169,15 @@ def test_sglang_refuses_multi_stream_taps(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="4-stream"):
         export_draft(ckpt, tmp_path / "out", "sglang")
+
+
+def test_qk_norm_override_builds_llama_style_eagle3_layers_and_is_refused_for_block_drafts():
+    from deepspec.errors import ConfigError
+
+    default = get_algorithm("eagle3").from_target_config(tiny_config("qwen3"), ModelConfig(algorithm="eagle3", target_layer_ids=[0, 2, 3]))
+    llama_style = get_algorithm("eagle3").from_target_config(
+        tiny_config("qwen3"), ModelConfig(algorithm="eagle3", target_layer_ids=[0, 2, 3], qk_norm=False))
+    assert default.arch.qk_norm and default.midlayer.self_attn.q_norm is not None
+    assert not llama_style.arch.qk_norm and llama_style.midlayer.self_attn.q_norm is None
+    with pytest.raises(ConfigError, match="model.qk_norm=false is not available for dflash"):
+        ModelConfig(algorithm="dflash", qk_norm=False).validate()

@@ -91,6 +91,10 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # Gemma-style options, for targets that need them.
     logit_softcap: float | None = None
+    # EAGLE-3: q/k RMSNorms in the draft's attention. null = follow the target family (Qwen3 / Gemma 3 targets get
+    # them, as vLLM's Eagle3Qwen3ForCausalLM has); false = Llama-style draft layers on any target, the only EAGLE-3
+    # layout SGLang serves. DFlash / DSpark layers always have them (both engines build Qwen3-style block drafts).
+    qk_norm: bool | None = None
 
     def validate(self) -> None:
         if self.fc_norm and self.norm_before_fc:
@@ -108,6 +112,11 @@ class ModelConfig:
             raise ConfigError(f"model.feature_noise must be in [0, 1) (relative noise amplitude), got {self.feature_noise}.")
         if self.label_temperature <= 0:
             raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
+        if self.qk_norm is False and self.algorithm in ("dflash", "dspark"):
+            raise ConfigError(
+                f"model.qk_norm=false is not available for {self.algorithm}: vLLM and SGLang build its draft layers with q/k "
+                "norms; leave model.qk_norm null."
+            )
         if self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be >= 1.")
         if self.layer_types is not None:

@@ -43,7 +43,8 @@ class TargetBackedDraft(DraftModel):
                 f"model.target_layer_ids {taps} must be in increasing layer order: engines concatenate the tapped states by layer "
                 f"index, so give {sorted(taps)}."
             )
-        arch = arch_from_target(target_config, model_cfg, qk_norm=cls.default_qk_norm)
+        qk_norm = model_cfg.qk_norm if getattr(model_cfg, "qk_norm", None) is not None else cls.default_qk_norm
+        arch = arch_from_target(target_config, model_cfg, qk_norm=qk_norm)
         return cls(arch, model_cfg, taps)
 
     def load_target_weights(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:

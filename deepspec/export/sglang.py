@@ -69,7 +69,7 @@ def sglang_eagle3(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, 
             "its attention has q/k RMSNorms (a Qwen3-style draft layer)",
             "SGLang's only EAGLE-3 draft class, LlamaForCausalLMEagle3, has no q_norm/k_norm and its loader skips unknown "
             "weights, so the draft would silently run without them.",
-            "Train it with Llama-style draft layers or export it with --format vllm (Eagle3Qwen3ForCausalLM).",
+            "Train it with Llama-style draft layers (model.qk_norm=false) or export it with --format vllm (Eagle3Qwen3ForCausalLM).",
         )
     if mcfg.get("norm_before_residual"):
         raise _refuse(
