@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 from deepspec.errors import DataError
 from deepspec.log import get_logger
@@ -75,9 +76,10 @@ def resolve_datasets_dir(datasets_dir: str | Path) -> Path:
     return repo if repo.is_dir() else p
 
 
-def read_turns_jsonl(path: Path) -> list[dict]:
-    """Read and validate a benchmark file; a bad row is a DataError naming the file and line."""
-    rows = []
+def _json_lines(path: Path, bad_json: Callable[[int, ValueError], str]) -> Iterator[tuple[int, object]]:
+    """(1-based line number, parsed value) of every non-blank line of a prompt file; a line that is not JSON is a
+    DataError worded by bad_json(line number, error). Unlike deepspec.data.jsonl.iter_lines (our own files, torn
+    tails skipped) a last line without a newline is read: these are the user's files."""
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
             if not line.strip():
@@ -85,11 +87,18 @@ def read_turns_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise DataError(f"{path}:{i} is not valid JSON ({e}); rebuild it with `python eval_datasets/build.py`.") from None
-            turns = row.get("turns") if isinstance(row, dict) else None
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-                raise DataError(f"{path}:{i} needs a non-empty list of strings under 'turns'; fix or rebuild the file.")
-            rows.append(row)
+                raise DataError(bad_json(i, e)) from None
+            yield i, row
+
+
+def read_turns_jsonl(path: Path) -> list[dict]:
+    """Read and validate a benchmark file; a bad row is a DataError naming the file and line."""
+    rows = []
+    for i, row in _json_lines(path, lambda i, e: f"{path}:{i} is not valid JSON ({e}); rebuild it with `python eval_datasets/build.py`."):
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise DataError(f"{path}:{i} needs a non-empty list of strings under 'turns'; fix or rebuild the file.")
+        rows.append(row)
     return rows
 
 
@@ -199,15 +208,9 @@ def load_custom_task(path: str | Path, max_samples: int | None = None, seed: int
         for i, row in enumerate(data):
             rows.append(_custom_row(row, f"{path}#{i}"))
     else:
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{path}:{i}: invalid JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')}).") from None
-                rows.append(_custom_row(row, f"{path}:{i}"))
+        bad = lambda i, e: f"{path}:{i}: invalid JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})."  # noqa: E731
+        for i, row in _json_lines(path, bad):
+            rows.append(_custom_row(row, f"{path}:{i}"))
     if not rows:
         raise DataError(f"{path} holds no prompts; add one row per line.")
     total = len(rows)
