@@ -29,27 +29,5 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-PYTHON="${PYTHON:-}"
-if [[ -z "$PYTHON" ]]; then
-  ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
-fi
-
-if [[ -z "$NPROC" ]]; then
-  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
-  if [[ "$NGPU" -gt 0 ]]; then NPROC="$NGPU"; else NPROC=1; fi
-fi
-
-# CPU workers share the usable cores (torchrun alone would give each worker one thread); yours wins.
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-  export OMP_NUM_THREADS=$("$PYTHON" -c "from deepspec.train.launcher import cpu_threads_per_worker as f; print(f($NPROC))" 2>/dev/null || echo 1)
-fi
-
-STANDALONE=(--standalone)
-for a in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
-  case "$a" in --nnodes*|--rdzv*|--master*|--node*) STANDALONE=() ;; esac
-done
-
-exec "$PYTHON" -m torch.distributed.run "${STANDALONE[@]+"${STANDALONE[@]}"}" --nproc-per-node="$NPROC" \
-  "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}" \
-  -m deepspec.train.worker "$CONFIG" ${OPTS[@]+--opts "${OPTS[@]}"}
+source "$(dirname "${BASH_SOURCE[0]}")/../torchrun_launch.sh"
+torchrun_launch deepspec.train.worker "$CONFIG" ${OPTS[@]+--opts "${OPTS[@]}"}
