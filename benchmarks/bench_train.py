@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 from pathlib import Path
 
 os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
@@ -179,17 +180,8 @@ def _our_row(spec: dict) -> dict:
 
     cfg = load_config(spec["recipe"], spec["opts"])
     samples = torch.load(spec["samples"], weights_only=False)
-    stamps: dict[int, float] = {}
-    append = loop._append_jsonl
-
-    def stamped(path, step, row):  # rank 0 writes a logged step's row right after its optimizer step
-        if info.device.type == "cuda":
-            torch.cuda.synchronize()
-        stamps[step] = time.perf_counter()
-        append(path, step, row)
-
-    loop._append_jsonl = stamped
     info = init_distributed()
+    stamps, restore = _clock_logged_steps(loop)
     try:
         torch.manual_seed(cfg.train.seed)
         tconf = AutoConfig.from_pretrained(spec["target"])
@@ -235,8 +227,30 @@ def _our_row(spec: dict) -> dict:
         out["device"] = str(info.device)
         return out
     finally:
-        loop._append_jsonl = append
+        restore()
         teardown(info)
+
+
+def _clock_logged_steps(loop) -> tuple[dict[int, float], Callable[[], None]]:
+    """Time each logged step: rank 0 writes a logged step's train_log row right after its optimizer step, so
+    wrapping the loop's row writer (after a CUDA sync) stamps the step's end. Returns (stamps, restore)."""
+    import torch
+
+    stamps: dict[int, float] = {}
+    append = loop._append_jsonl
+
+    def stamped(path, step, row):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        stamps[step] = time.perf_counter()
+        append(path, step, row)
+
+    loop._append_jsonl = stamped
+
+    def restore() -> None:
+        loop._append_jsonl = append
+
+    return stamps, restore
 
 
 def _flops_per_token(draft, cfg, sample: dict, device) -> float:
@@ -522,15 +536,8 @@ def train_child(recipe: str, opts: list[str]) -> dict:
     from deepspec.train.dist import init_distributed, teardown
 
     cfg = load_config(recipe, opts)
-    stamps: dict[int, float] = {}
-    append = loop._append_jsonl
-
-    def stamped(path, step, row):
-        stamps[step] = time.perf_counter()
-        append(path, step, row)
-
-    loop._append_jsonl = stamped
     info = init_distributed()
+    stamps, restore = _clock_logged_steps(loop)
     try:
         torch.manual_seed(cfg.train.seed)
         parts = build_parts(cfg, info)
@@ -539,7 +546,7 @@ def train_child(recipe: str, opts: list[str]) -> dict:
         loop._train(cfg, info, parts)
         wall = time.perf_counter() - t0
     finally:
-        loop._append_jsonl = append
+        restore()
         teardown(info)
     rows = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
     last = rows[-1]
