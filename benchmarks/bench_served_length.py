@@ -12,7 +12,9 @@ Why: acceptance is not uniform along an answer. A small greedy target often ends
 loop, which any draft that copies predicts well, so a served figure taken with long (or uncapped)
 answers can be far above one taken on the first 128 tokens. Quote served figures with their budget;
 this script shows how much the budget alone moves them. `repeated_4gram_share` is the share of
-answer tokens that close a 4-gram already seen earlier in the same answer (a loop detector).
+answer tokens that close a 4-gram already seen earlier in the same answer (a loop detector);
+`trigram_lookup_share` the share of answer positions whose token a trigram lookup over the answer so far
+predicts (bench_copy.py's lookup: what n-gram drafting would accept without any trained draft).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_copy import trigram_lookup  # noqa: E402
 
 
 def repeated_ngram_share(ids: list[int], n: int = 4) -> tuple[int, int]:
@@ -38,6 +43,13 @@ def repeated_ngram_share(ids: list[int], n: int = 4) -> tuple[int, int]:
         rep += g in seen
         seen.add(g)
     return rep, len(ids)
+
+
+def trigram_hits(ids: list[int]) -> tuple[int, int]:
+    """(answer tokens a trigram lookup over the answer so far predicts, tokens it was asked for): the share of
+    positions that prompt-lookup / n-gram drafting would get for free, i.e. what a loop contributes."""
+    hits = sum(trigram_lookup(ids, t) == ids[t + 2] for t in range(1, len(ids) - 2))
+    return hits, max(0, len(ids) - 3)
 
 
 def main() -> int:
@@ -105,12 +117,14 @@ def main() -> int:
                 answers = list(pool.map(ask, prompts))
             d = counters_delta(before, server.spec_decode_counters())
             rep = [repeated_ngram_share(a) for a in answers]
+            tri = [trigram_hits(a) for a in answers]
             out["by_max_tokens"][str(budget)] = {
                 "mean_acceptance_length": round(d["mean_acceptance_length"], 4) if d.get("mean_acceptance_length") else None,
                 "acceptance_rate_per_pos": [round(x, 4) for x in (d.get("acceptance_rate_per_pos") or [])],
                 "drafts": d.get("drafts"),
                 "mean_answer_tokens": round(sum(len(a) for a in answers) / max(1, len(answers)), 1),
                 "repeated_4gram_share": round(sum(r for r, _ in rep) / max(1, sum(n for _, n in rep)), 4),
+                "trigram_lookup_share": round(sum(h for h, _ in tri) / max(1, sum(n for _, n in tri)), 4),
             }
             print(json.dumps({budget: out["by_max_tokens"][str(budget)]}), file=sys.stderr)
     out["seconds"] = round(time.perf_counter() - t0, 1)
