@@ -90,7 +90,8 @@ def stage_regenerate(cfg) -> tuple[bool, dict[str, Any]]:
 
 
 def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
-    from deepspec.data.cache.format import is_complete, load_manifest
+    from deepspec.data.cache.format import check_manifest, is_complete, load_manifest
+    from deepspec.data.cache.reader import expected_provenance
     from deepspec.data.cache.writer import build_cache
 
     splits = [("train", cfg.cache_train_dir)]
@@ -100,6 +101,10 @@ def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
     for split, d in splits:
         if not is_complete(d):
             build_cache(cfg, split, nproc=cfg.cache.num_workers)
+        elif split == "train":
+            # A finished cache of the project is reused only if this recipe could train on it (two recipes of one
+            # project with other taps or stream reduction need their own cache.dir): refuse now, not after training starts.
+            check_manifest(load_manifest(d), expected_provenance(cfg))
     manifest = load_manifest(cfg.cache_train_dir)
     counts = manifest.get("counts", {})
     return skipped, {"dir": str(cfg.cache_dir), "dtype": cfg.cache.dtype, **{k: v for k, v in counts.items() if isinstance(v, (int, float))}}

@@ -165,3 +165,10 @@ def test_mhc_training_refuses_a_cache_with_another_tap_reduction(tmp_path, monke
     build_cache(load_config(recipe, [*opts, "model.tap_reduction=concat"]), "train")
     with pytest.raises(CacheError, match=r"tap_reduction: cache has 'concat', run wants 'mean' \(model.tap_reduction\)"):
         open_cache_datasets(load_config(recipe, opts))
+    # `deepspec run` refuses at its cache stage, before training starts, instead of reusing the project's cache
+    from deepspec.pipeline import stage_cache
+
+    with pytest.raises(CacheError, match=r"tap_reduction: cache has 'concat', run wants 'mean'"):
+        stage_cache(load_config(recipe, opts))
+    skipped, detail = stage_cache(load_config(recipe, [*opts, "model.tap_reduction=concat"]))  # the matching recipe reuses it
+    assert skipped and detail["samples"] == 3
