@@ -104,7 +104,7 @@ SMALL = ["target.name=tiny-mhc", "target.dtype=float32", "target.device_map=null
 RECIPES = {
     "eagle3": ("config/eagle3/deepseek-v4-flash.yaml", ["model.target_layer_ids=[1,2,4]", "model.draft_vocab_size=64"]),
     "dflash": ("config/dflash/deepseek-v4-flash.yaml", ["model.target_layer_ids=[0,1,2,3,4]", "model.num_anchors=8",
-                                                        "model.intermediate_size=64", "model.sliding_window=8"]),
+                                                        "model.intermediate_size=64", "model.sliding_window=8", "model.draft_vocab_size=64"]),
 }
 
 
@@ -148,6 +148,13 @@ def test_mhc_deepseek_v4_flash_recipe_end_to_end(algo, tmp_path, monkeypatch, on
     else:
         assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2, 3, 4]
         assert draft.arch.layer_types == ["sliding_attention"] * 5 and draft.arch.sliding_window == 8
+        # the recipe's draft vocabulary, built from the cache's token counts, reaches the export
+        import numpy as np
+
+        from deepspec.drafts.vocab import build_draft_vocab
+
+        counts = torch.from_numpy(np.load(tmp_path / "cache" / "train" / "token_counts.npy"))
+        assert cfg["draft_vocab_size"] == 64 and torch.equal(draft.d2t, build_draft_vocab(counts, 64)[0])
 
 
 def test_mhc_training_refuses_a_cache_with_another_tap_reduction(tmp_path, monkeypatch):
@@ -172,3 +179,35 @@ def test_mhc_training_refuses_a_cache_with_another_tap_reduction(tmp_path, monke
         stage_cache(load_config(recipe, opts))
     skipped, detail = stage_cache(load_config(recipe, [*opts, "model.tap_reduction=concat"]))  # the matching recipe reuses it
     assert skipped and detail["samples"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mhc_readme_v4_commands_train_both_recipes(tmp_path):
+    """The README's DeepSeek-V4-Flash block, verbatim, in a scratch folder (config/ and scripts/ linked in): both
+    recipes train with torchrun (2 gloo workers) on caches of tiny-mhc, DFlash on concatenated streams, EAGLE-3.1 on
+    their mean, each from its own cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index("```bash\nTINY=")
+    block = text[start + len("```bash\n") : text.index("```", start + 3)]
+    for name in ("config", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_NO_PROGRESS="1",
+               DEEPSPEC_CACHE=str(tmp_path / "dscache"), DEEPSPEC_CACHE_DEVICE="cpu")
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=840)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "outputs" / "deepseek-v4-flash"
+    for cache, reduction, taps in (("cache", "concat", [0, 1, 2, 3, 4]), ("cache-eagle3", "mean", [1, 2, 4])):
+        manifest = json.loads((out / cache / "train" / "manifest.json").read_text())
+        assert (manifest["hc_mult"], manifest["tap_reduction"], manifest["taps"]) == (4, reduction, taps)
+    for algo in ("dflash", "eagle3"):
+        (run_dir,) = (tmp_path / "checkpoints" / "deepseek-v4-flash").glob(f"{algo}*")
+        assert (run_dir / "step_6" / "model.safetensors").is_file(), sorted(p.name for p in run_dir.iterdir())

@@ -28,7 +28,7 @@ class ModelConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    # Draft vocabulary (EAGLE-3): null = full target vocabulary.
+    # Draft vocabulary (every algorithm): the most frequent loss-masked target ids; null = full target vocabulary.
     draft_vocab_size: int | None = None
     # EAGLE-3 / EAGLE-3.1
     ttt_length: int = 7
@@ -112,6 +112,8 @@ class ModelConfig:
             raise ConfigError(f"model.feature_noise must be in [0, 1) (relative noise amplitude), got {self.feature_noise}.")
         if self.label_temperature <= 0:
             raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ConfigError(f"model.draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary).")
         if self.qk_norm is False and self.algorithm in ("dflash", "dspark"):
             raise ConfigError(
                 f"model.qk_norm=false is not available for {self.algorithm}: vLLM and SGLang build its draft layers with q/k "

@@ -15,6 +15,11 @@ exp(-p / loss_decay_gamma).
 
 Losses and the full-vocabulary softmax / TV run over chunks of `model.vocab_chunk_rows` rows under
 activation checkpointing, so the [rows, V] logits of a 150k vocabulary never exist all at once.
+
+Draft vocabulary (`model.draft_vocab_size` < the target's vocabulary): the most frequent loss-masked target ids of
+the training data, chosen as for EAGLE-3 (d2t / t2d, `set_token_frequencies` in common.py). The draft then scores
+only those ids with `lm_head` = the target LM head's rows for them, frozen like the full head, and maps what it
+samples back to target ids. Null or >= the target's vocabulary: the full frozen target head, no d2t / t2d.
 """
 
 from __future__ import annotations
@@ -32,9 +37,6 @@ from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
 from deepspec.drafts.vocab import sample_token
-from deepspec.log import get_logger
-
-log = get_logger(__name__)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -61,8 +63,13 @@ class BlockDraft(TargetBackedDraft):
     def __init__(self, arch: DraftArch, model_cfg: Any, taps: list[int]):
         super().__init__(arch, model_cfg, taps)
         n, ht, h = len(taps), arch.target_hidden_size, arch.hidden_size
-        if model_cfg.draft_vocab_size:
-            log.warning("model.draft_vocab_size is ignored by %s: it drafts over the full target vocabulary.", model_cfg.algorithm)
+        self.draft_vocab_size = self._draft_vocab_size(model_cfg.draft_vocab_size)
+        if self.reduced_vocab:
+            # the target head's rows of the draft vocabulary (filled when the target and the token counts arrive), frozen
+            # as the full head is; a module of its own so checkpoints and exports carry it as `lm_head.weight`
+            self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+            self._register_draft_vocab(self.draft_vocab_size)
         self.fc = nn.Linear(n * ht, h, bias=False)
         self.hidden_norm = arch.make_norm(h)
         self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers)])
@@ -74,7 +81,26 @@ class BlockDraft(TargetBackedDraft):
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{arch.vocab_size - 1})")
         sfa = model_cfg.sample_from_anchor
         self.sample_from_anchor = self.default_sample_from_anchor if sfa is None else bool(sfa)
-        self.draft_vocab_size = arch.vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """True when the draft scores a draft vocabulary smaller than the target's."""
+        return self.draft_vocab_size < self.arch.vocab_size
+
+    def _on_target_loaded(self) -> None:
+        if self.reduced_vocab:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.target_lm_head[self.draft_target_ids()].to(self.lm_head.weight.dtype))
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head the draft scores with: the target's whole head, or its rows of the draft vocabulary [Dv, H]."""
+        return self.lm_head.weight if self.reduced_vocab else self.target_lm_head
+
+    def vocab_target_ids(self) -> torch.Tensor:
+        """[Dv] the target id of every column of the draft's logits."""
+        if self.reduced_vocab:
+            return self.draft_target_ids()
+        return torch.arange(self.arch.vocab_size, device=self.target_lm_head.device)
 
     @property
     def num_predictions(self) -> int:
@@ -124,7 +150,7 @@ class BlockDraft(TargetBackedDraft):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return softcap(h @ self.target_lm_head.to(h.dtype).T, self.arch.logit_softcap)
+        return softcap(h @ self.head_weight().to(h.dtype).T, self.arch.logit_softcap)
 
     # --- sequential head hooks (DSpark overrides) ---------------------------------------------------
     def _head_features(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
@@ -222,6 +248,14 @@ class BlockDraft(TargetBackedDraft):
         return h.view(b, anchors.shape[1], self.block_size, -1)
 
     def loss(self, batch: DraftBatch, anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+        """Position-decayed CE on the data's next tokens (+ DSpark's L1 to the target and confidence BCE) and metrics.
+
+        With a draft vocabulary the loss is computed over it, as EAGLE-3 does: EAGLE-3 trains on the target's
+        distribution renormalised over the draft vocabulary, so target mass outside it adds nothing to its loss.
+        Here the label is one token, so a prediction whose label lies outside the draft vocabulary adds nothing
+        to the CE (ce_loss is the mean over the other supervised predictions). L1 / alpha / top-1 / tau compare the
+        draft (zero outside its vocabulary) with the target's full distribution, as EAGLE-3's alpha does, so mass
+        outside the draft vocabulary counts as rejected there."""
         ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
         b, t = ids.shape
         dev = ids.device
@@ -245,14 +279,18 @@ class BlockDraft(TargetBackedDraft):
         rows_label = labels.reshape(-1)
         rows_fh = batch.final_hidden.gather(1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])
         rows_w = weights.reshape(-1) * sel
+        ce_w = rows_w
+        if self.reduced_vocab:
+            ce_w = rows_w * self.t2d[rows_label]  # labels outside the draft vocabulary: no CE (see the docstring)
+            rows_label = (torch.cumsum(self.t2d, 0) - 1).clamp(min=0)[rows_label]  # target id -> draft id
         ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label)
         w_sum = rows_w.sum().clamp(min=1e-9)
         ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
-        ce_loss = (rows_w * ce).sum() / w_sum
+        ce_loss = (ce_w * ce).sum() / ce_w.sum().clamp(min=1e-9)
         l1_loss = (rows_w * l1).sum() / w_sum
         total = ce_alpha * ce_loss + l1_alpha * l1_loss
         metrics: Metrics = {
-            "ce_loss": ((rows_w * ce).sum().detach(), rows_w.sum()),
+            "ce_loss": ((ce_w * ce).sum().detach(), ce_w.sum()),
             "l1_loss": ((rows_w * l1).sum().detach(), rows_w.sum()),
         }
         if rows_conf is not None:
@@ -269,24 +307,27 @@ class BlockDraft(TargetBackedDraft):
         return total, metrics
 
     def _row_terms(self, h, z, fh, labels):
-        """Per supervised row: (CE, L1 = ||p_d - p_t||_1, alpha = sum min(p_d, p_t), top-1 match), chunked."""
+        """Per supervised row: (CE, L1 = ||p_d - p_t||_1, alpha = sum min(p_d, p_t), top-1 match), chunked.
+        labels are draft ids (= target ids without a draft vocabulary)."""
         n = h.shape[0]
         if n == 0:
             zero = h.sum() * 0.0
             e = torch.zeros(0, device=h.device)
             return zero.expand(0), zero.expand(0), e, e
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
+        terms = partial(self._chunk_terms, tids=self.draft_target_ids()) if self.reduced_vocab else self._chunk_terms
         ces, l1s, alphas, tops = [], [], [], []
         for i in range(0, n, chunk):
             args = (h[i : i + chunk], fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
             if torch.is_grad_enabled() and h.requires_grad and n > chunk:
-                ce, l1, alpha, top = checkpoint(self._chunk_terms, *args, use_reentrant=False)
+                ce, l1, alpha, top = checkpoint(terms, *args, use_reentrant=False)
             else:
-                ce, l1, alpha, top = self._chunk_terms(*args)
+                ce, l1, alpha, top = terms(*args)
             ces.append(ce), l1s.append(l1), alphas.append(alpha), tops.append(top)
         return torch.cat(ces), torch.cat(l1s), torch.cat(alphas), torch.cat(tops)
 
-    def _chunk_terms(self, h, fh, labels, z=None):
+    def _chunk_terms(self, h, fh, labels, z=None, tids=None):
+        """tids [Dv]: the target ids of the draft vocabulary's columns (None = the full vocabulary)."""
         logits = self.base_logits(h).float()
         if z is not None:
             logits = logits + self._head_bias(z).float()
@@ -295,9 +336,15 @@ class BlockDraft(TargetBackedDraft):
         logp = torch.log_softmax(logits, dim=-1)
         ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         p_d = logp.exp()
-        l1 = (p_d - p_t).abs().sum(-1)
-        alpha = torch.minimum(p_d.detach(), p_t).sum(-1)
-        top = (logits.detach().argmax(-1) == p_t.argmax(-1)).float()
+        if tids is None:
+            l1 = (p_d - p_t).abs().sum(-1)
+            alpha = torch.minimum(p_d.detach(), p_t).sum(-1)
+            top = (logits.detach().argmax(-1) == p_t.argmax(-1)).float()
+            return ce, l1, alpha, top
+        p_in = p_t[:, tids]  # the target's probabilities of the draft vocabulary; the draft puts 0 on the rest
+        l1 = (p_d - p_in).abs().sum(-1) + (1.0 - p_in.sum(-1)).clamp(min=0.0)
+        alpha = torch.minimum(p_d.detach(), p_in).sum(-1)
+        top = (tids[logits.detach().argmax(-1)] == p_t.argmax(-1)).float()
         return ce, l1, alpha, top
 
     def _depth_metrics(self, alpha, top, eval_mask) -> Metrics:
@@ -330,7 +377,7 @@ class BlockDraft(TargetBackedDraft):
     def draft_block(self, h: torch.Tensor, anchor_token: int, num_tokens: int, temperature: float, generator):
         """h [P, H] prediction-slot hidden states -> (tokens, probs); DFlash samples slots independently."""
         logits = self.base_logits(h)
-        tids = torch.arange(self.arch.vocab_size, device=h.device)
+        tids = self.vocab_target_ids()
         toks, probs = [], []
         for p in range(min(num_tokens, h.shape[0])):
             tok, pr = sample_token(logits[p], tids, self.arch.vocab_size, temperature, generator)

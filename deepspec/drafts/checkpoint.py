@@ -102,6 +102,9 @@ def load_draft(directory: str | Path, target_model: Any = None, device: str | to
     known = {f.name for f in fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
     arch = DraftArch(**meta["arch"])
+    if meta.get("draft_vocab_size") == arch.vocab_size:
+        # the draft scored the full vocabulary (block drafts once ignored model.draft_vocab_size): rebuild it as trained
+        model_cfg.draft_vocab_size = None
     draft = cls(arch, model_cfg, meta["taps"])
     if target_model is not None:
         draft.load_target_weights(*target_weights(target_model))

@@ -1,5 +1,5 @@
 """What every draft shares: frozen copies of the target's embeddings / LM head, the constructor
-signature used by checkpoint loading, and the default tap choice."""
+signature used by checkpoint loading, the default tap choice and the draft vocabulary (d2t / t2d)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from deepspec.drafts.base import DraftModel
 from deepspec.drafts.layers import DraftArch, arch_from_target, softcap
+from deepspec.drafts.vocab import build_draft_vocab, target_ids_of_draft_vocab
 from deepspec.errors import CheckpointError, ConfigError
 
 
@@ -61,6 +62,34 @@ class TargetBackedDraft(DraftModel):
 
     def _on_target_loaded(self) -> None:
         """Hook: initialise trainable parts from the target (e.g. EAGLE-3's draft LM head)."""
+
+    # --- draft vocabulary ---------------------------------------------------------------------------
+    def _draft_vocab_size(self, requested: int | None) -> int:
+        """model.draft_vocab_size as the draft uses it: null or >= the target's vocabulary = the full vocabulary."""
+        return requested if requested and requested < self.arch.vocab_size else self.arch.vocab_size
+
+    def _register_draft_vocab(self, draft_vocab_size: int) -> None:
+        """d2t / t2d buffers (saved in checkpoints), the first ids until set_token_frequencies picks the frequent ones."""
+        v = self.arch.vocab_size
+        d2t, t2d = build_draft_vocab(torch.zeros(v), None if draft_vocab_size == v else draft_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    def set_token_frequencies(self, counts: torch.Tensor) -> None:
+        """Rebuild d2t / t2d from the training data's token counts and refresh what depends on them (the LM head
+        rows); a draft without a draft vocabulary (a full-vocabulary block draft) has nothing to rebuild."""
+        if "d2t" not in self._buffers:
+            return
+        v = self.arch.vocab_size
+        d2t, t2d = build_draft_vocab(counts, None if self.draft_vocab_size == v else self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if self._target_loaded:
+            self._on_target_loaded()
+
+    def draft_target_ids(self) -> torch.Tensor:
+        """[Dv] the target id of every draft id."""
+        return target_ids_of_draft_vocab(self.d2t)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = F.embedding(ids, self.target_embed)

@@ -27,13 +27,16 @@ from deepspec.errors import ConfigError
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, kind: str, vocab: int, hidden: int, rank: int):
+    """markov_w1 embeds the previous token (a target id); markov_w2 writes a bias over the draft vocabulary
+    (draft_vocab, = vocab without one), the sizes vLLM's DSparkMarkovHead builds."""
+
+    def __init__(self, kind: str, vocab: int, hidden: int, rank: int, draft_vocab: int | None = None):
         super().__init__()
         if kind not in ("vanilla", "gated", "rnn"):
             raise ConfigError(f"model.markov_head_type='{kind}' is unknown; use vanilla, gated or rnn.")
         self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, vocab if draft_vocab is None else draft_vocab, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as plain DFlash
         if kind == "gated":
@@ -84,7 +87,7 @@ class DSparkDraft(BlockDraft):
         super().__init__(arch, model_cfg, taps)
         if model_cfg.markov_rank < 1:
             raise ConfigError("model.markov_rank must be >= 1 for DSpark (use model.algorithm=dflash for no Markov head).")
-        self.markov_head = MarkovHead(model_cfg.markov_head_type, arch.vocab_size, arch.hidden_size, model_cfg.markov_rank)
+        self.markov_head = MarkovHead(model_cfg.markov_head_type, arch.vocab_size, arch.hidden_size, model_cfg.markov_rank, self.draft_vocab_size)
         self.confidence_head = (
             ConfidenceHead(arch.hidden_size, model_cfg.markov_rank, model_cfg.confidence_head_with_markov)
             if model_cfg.enable_confidence_head else None
@@ -109,7 +112,7 @@ class DSparkDraft(BlockDraft):
         """Left-to-right sampling: each slot's bias uses the token sampled just before it; stops at the
         first slot whose confidence is below model.confidence_threshold (0 = off)."""
         base = self.base_logits(h)
-        tids = torch.arange(self.arch.vocab_size, device=h.device)
+        tids = self.vocab_target_ids()
         threshold = self.model_cfg.confidence_threshold
         prev = torch.tensor([anchor_token], device=h.device)
         state = None

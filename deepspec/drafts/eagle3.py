@@ -27,7 +27,7 @@ from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
 from deepspec.drafts.losses import soft_ce, target_full_stats
 from deepspec.drafts.registry import register
-from deepspec.drafts.vocab import build_draft_vocab, sample_token, target_ids_of_draft_vocab
+from deepspec.drafts.vocab import sample_token
 from deepspec.errors import ConfigError
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -49,21 +49,11 @@ class Eagle3Draft(TargetBackedDraft):
         self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers - 1)])
         self.norm = arch.make_norm(h)
         self.rotary = RotaryEmbedding(arch)
-        dv = model_cfg.draft_vocab_size if model_cfg.draft_vocab_size and model_cfg.draft_vocab_size < arch.vocab_size else arch.vocab_size
+        dv = self._draft_vocab_size(model_cfg.draft_vocab_size)
         self.draft_vocab_size = dv
         self.lm_head = nn.Linear(h, dv, bias=False)
         self.lm_head.weight.requires_grad_(not model_cfg.freeze_lm_head)
-        d2t, t2d = build_draft_vocab(torch.zeros(arch.vocab_size), None if dv == arch.vocab_size else dv)
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
-
-    # --- draft vocabulary -------------------------------------------------------------------------
-    def set_token_frequencies(self, counts: torch.Tensor) -> None:
-        d2t, t2d = build_draft_vocab(counts, None if self.draft_vocab_size == self.arch.vocab_size else self.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        if self._target_loaded:
-            self._on_target_loaded()
+        self._register_draft_vocab(dv)  # set_token_frequencies (common.py) fills it from the training data
 
     def _on_target_loaded(self) -> None:
         # The draft LM head starts as the target's rows for the draft tokens (trained unless
@@ -179,9 +169,6 @@ class Eagle3Draft(TargetBackedDraft):
     @property
     def num_layers_total(self) -> int:
         return 1 + len(self.layers)
-
-    def draft_target_ids(self) -> torch.Tensor:
-        return target_ids_of_draft_vocab(self.d2t)
 
     # --- forward pieces ---------------------------------------------------------------------------
     def combine_taps(self, taps: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@ tests/test_export_sglang.py, which builds those classes on CPU and loads our fil
     the rnn head's `cell` is SGLang's `joint_proj`, whose input is [state, prev, hidden] where ours is
     [hidden, prev, state].
 
-What SGLang cannot run as trained is refused with the reason (see `_refuse`).
+What SGLang cannot run as trained is refused with the reason (see `_refuse`), among it a DFlash / DSpark draft
+with a draft vocabulary: SGLang's block drafts have no LM head of their own (they score with the target's head,
+DSpark's markov_w2 is sized by the target vocabulary) and skip lm_head / d2t.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def _check_common(meta: dict[str, Any]) -> None:
     if arch.get("hidden_act", "silu") != "silu":
         raise _refuse(f"its MLP uses {arch['hidden_act']}", "SGLang's draft MLPs (LlamaMLP, DFlashMLP) are SiLU-gated only.",
                       "Export it with --format vllm.")
+
+
+def _check_block_vocab(draft) -> None:
+    if draft.draft_vocab_size < draft.arch.vocab_size:
+        raise _refuse(
+            f"it drafts over a {draft.draft_vocab_size}-token draft vocabulary (model.draft_vocab_size)",
+            "SGLang's DFlash and DSpark drafts score with the target's whole LM head and do not read lm_head or d2t.",
+            "Export it with --format vllm, or train with model.draft_vocab_size=null for SGLang.",
+        )
 
 
 def sglang_eagle3(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, meta: dict[str, Any]):
@@ -100,6 +111,7 @@ def sglang_eagle3(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, 
 def sglang_dflash(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, meta: dict[str, Any]):
     """vLLM DFlash export -> SGLang's DFlashDraftModel (same weight names; config fields SGLang parses)."""
     _check_common(meta)
+    _check_block_vocab(draft)
     out = dict(cfg)
     out["dflash_config"] = {
         "mask_token_id": draft.mask_token_id,
@@ -113,6 +125,7 @@ def sglang_dflash(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, 
 def sglang_dspark(cfg: dict[str, Any], weights: dict[str, torch.Tensor], draft, meta: dict[str, Any]):
     """vLLM speculators DSpark export -> SGLang's own Qwen3DSparkModel format (SGLang does not read speculators)."""
     _check_common(meta)
+    _check_block_vocab(draft)
     mcfg = meta["model"]
     out = dict(cfg["transformer_layer_config"])
     # SGLang's DSpark reads block_size as gamma, the drafted tokens: it queries gamma slots when the anchor slot

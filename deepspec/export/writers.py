@@ -4,6 +4,9 @@
     aux layer ids = our taps + 1, draft vocabulary via d2t/t2d, embeddings omitted (shared with the target).
   * DFlash        -> `DFlashDraftModel` (model_type qwen3), dflash_config.target_layer_ids = our taps.
   * DSpark        -> speculators format (`speculators_model_type: dspark`) that vLLM maps to Qwen3DSparkModel.
+  DFlash / DSpark with a draft vocabulary also write `draft_vocab_size`, `lm_head.weight` (the target head's rows
+  of the draft vocabulary) and d2t / t2d, which vLLM's DFlashQwen3ForCausalLM / Qwen3DSparkForCausalLM read
+  (d2t as draft_id_to_target_id; t2d skipped); without one the engine shares the target's head.
 
 These are vLLM 0.32's layouts; `--format sglang` rewrites them into SGLang's (export/sglang.py). Every export
 either runs in its engine as trained or is refused with the reason (`_check_vllm`, export/sglang.py), and
@@ -156,6 +159,8 @@ def _eagle3(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def _block_weights(draft, keep_prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named weights, plus a draft vocabulary's head rows and d2t / t2d (absent from full-vocabulary drafts)."""
+    keep_prefixes = keep_prefixes + ("lm_head.", "d2t", "t2d")
     return {n: t for n, t in draft.state_dict().items() if n.startswith(keep_prefixes)}
 
 
@@ -168,7 +173,7 @@ def _dflash(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     cfg = _sizes(meta["arch"], "qwen3")
     cfg.update(
         architectures=["DFlashDraftModel"],
-        draft_vocab_size=meta["arch"]["vocab_size"],
+        draft_vocab_size=draft.draft_vocab_size,
         block_size=draft.block_size,
         dflash_config={"mask_token_id": draft.mask_token_id, "target_layer_ids": to_dflash_layer_ids(draft.taps), "causal": False},
     )
@@ -190,7 +195,7 @@ def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[
             "verifier": {"name_or_path": target_name or meta.get("provenance", {}).get("target"), "architectures": [meta.get("provenance", {}).get("target_architecture")]},
         },
         "aux_hidden_state_layer_ids": to_vllm_aux_ids(draft.taps),
-        "draft_vocab_size": meta["arch"]["vocab_size"],
+        "draft_vocab_size": draft.draft_vocab_size,
         "target_hidden_size": meta["arch"]["target_hidden_size"],
         "mask_token_id": draft.mask_token_id,
         "markov_rank": mcfg["markov_rank"],
