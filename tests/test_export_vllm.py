@@ -1,6 +1,6 @@
 """Real-engine tests: EAGLE-3.1 and DFlash drafts exported for the embedded SmolLM2 are served by vLLM
-(back to back, one server each), and the DSpark export is parsed by vLLM's own speculators parser
-(vLLM runs DSpark only on its GPU model runner)."""
+(back to back, one server each; DFlash also with a draft vocabulary), and the DSpark export is parsed by vLLM's
+own speculators parser (vLLM runs DSpark only on its GPU model runner)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def _export(smollm2_dir, tmp_path, algorithm: str, **fields):
     cfg = ModelConfig(algorithm=algorithm, **fields)
     torch.manual_seed(0)
     draft = get_algorithm(algorithm).from_target_config(tc, cfg)
-    if algorithm == "eagle3":
+    if algorithm != "eagle3" and fields.get("draft_vocab_size"):  # a block draft's head = the target's rows
+        from deepspec.train.build import load_target_head
+
+        draft.load_target_weights(*load_target_head(str(smollm2_dir), tc))
+    if algorithm == "eagle3" or fields.get("draft_vocab_size"):
         draft.set_token_frequencies(torch.arange(tc.vocab_size, 0, -1).float())
     prov = {"target": "smollm2-135m-instruct", "target_path": str(smollm2_dir), "target_vocab_size": tc.vocab_size,
             "target_hidden_size": tc.hidden_size, "target_num_layers": tc.num_hidden_layers, "target_architecture": "LlamaForCausalLM"}
@@ -60,4 +64,19 @@ def test_vllm_serves_eagle31_and_dflash_exports(smollm2_dir, tmp_path):
     k = json.loads((dflash / "config.json").read_text())["deepspec"]["num_speculative_tokens"]
     assert k == 3  # served with its training block: vLLM drafts k + 1 = block_size slots
     counts = _serve_and_count(smollm2_dir, dflash, "dflash", k, tmp_path)
+    assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_a_draft_vocabulary_dflash_export(smollm2_dir, tmp_path):
+    """DFlashQwen3ForCausalLM reads draft_vocab_size, its own lm_head rows and d2t (as draft_id_to_target_id)."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+
+    dflash = _export(smollm2_dir, tmp_path, "dflash", block_size=4, num_draft_layers=1, draft_vocab_size=8192)
+    cfg = json.loads((dflash / "config.json").read_text())
+    w = load_file(str(dflash / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == 8192 and w["lm_head.weight"].shape == (8192, 576) and w["d2t"].shape == (8192,)
+    counts = _serve_and_count(smollm2_dir, dflash, "dflash", 3, tmp_path)
     assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]
