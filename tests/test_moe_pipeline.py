@@ -1,5 +1,5 @@
-"""A Mixture-of-Experts target through every stage: the tiny random Qwen3-MoE goes prompts -> regenerate ->
-cache -> train (a few steps) -> eval (ours) -> export. The draft never runs the target's MLP, so MoE must
+"""A Mixture-of-Experts target through every stage: the tiny random Qwen3-MoE goes prompts -> regenerate (real
+vLLM, in-process) -> cache -> train (a few steps) -> eval (ours) -> export. The draft never runs the target's MLP, so MoE must
 change nothing downstream of loading; this test is what shows it."""
 
 from __future__ import annotations
@@ -10,11 +10,17 @@ import pytest
 
 from deepspec.targets import save_tiny_target
 
-# The HF engine: a vLLM start-up alone would cost most of this test's 2-minute CPU budget; the engine renders and
-# samples as vLLM's does (tests/test_regenerate*.py cover the vLLM engine).
-ENGINE = "hf"
+ENGINE = "vllm"  # the in-process engine the quickstart regenerates with: vLLM's own MoE layers answer the prompts
+# vLLM's CPU attention kernels take head sizes 32, 64, 80, ... only: the tiny default (head_dim 16) fails at start-up
+# with "Unsupported CPU attention configuration: head_dim=16". HEAD_DIM 64 is the size those kernels are built around.
+HEAD_DIM = 64
+# The tiny vocabulary (320) pads 60 ids past the byte tokenizer's 260; a random target's greedy answers often
+# repeat one of those ids, which decode to nothing, and an empty answer leaves no sample to train on. VOCAB = the
+# tokenizer's own size, so every id the target emits is a byte or a special token.
+VOCAB = 260
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_moe_target_through_the_whole_pipeline(tmp_path, monkeypatch, one_torch_thread):
     from deepspec.config import load_config, save_config
@@ -23,8 +29,9 @@ def test_moe_target_through_the_whole_pipeline(tmp_path, monkeypatch, one_torch_
     from deepspec.export.writers import export_draft
     from deepspec.pipeline import run
 
+    pytest.importorskip("vllm")
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
-    target = save_tiny_target(tmp_path / "tiny-qwen3-moe", "qwen3_moe")
+    target = save_tiny_target(tmp_path / "tiny-qwen3-moe", "qwen3_moe", head_dim=HEAD_DIM, vocab_size=VOCAB)
     opts = [
         f"output_root={tmp_path / 'out'}", f"train.output_root={tmp_path / 'ckpt'}", f"target.name={target}", "target.dtype=float32",
         "data.prompts.source=embedded", "data.prompts.max_samples=10", "data.prompts.heldout=2", "data.prompts.first_turn_only=true",
@@ -48,7 +55,7 @@ def test_moe_target_through_the_whole_pipeline(tmp_path, monkeypatch, one_torch_
     assert manifest["counts"]["samples"] >= 6
     assert res.checkpoint is not None and res.checkpoint.name == "step_3"
     draft = load_draft(res.checkpoint)
-    assert draft.arch.target_model_type == "qwen3_moe" and draft.fc.in_features == 3 * 64
+    assert draft.arch.target_model_type == "qwen3_moe" and draft.fc.in_features == 3 * 64  # 3 taps x hidden 64 (head_dim is per head)
     assert res.results["overall"]["rounds"] > 0 and res.results["overall"]["tau"] >= 1.0
     out = export_draft(res.checkpoint, tmp_path / "export", "vllm", target=str(target))
     exported = json.loads((out / "config.json").read_text())

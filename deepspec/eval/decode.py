@@ -4,6 +4,8 @@ Both loops keep the target's KV cache in a `DynamicCache`, so the timing compari
 the baseline runs one token per forward, the speculative loop verifies 1 + k tokens per forward.
 After a verify round the cache is cropped to the committed tokens (rejected drafts are dropped),
 and only tap features of committed positions are handed to the proposer, as its contract says.
+Taps are caught by forward hooks on the tapped modules (`tap_hooks`, as in the cache stage); the
+target never returns every layer's hidden states (`output_hidden_states=False`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from deepspec.drafts.base import Proposer
 from deepspec.eval.metrics import AcceptanceStats
 from deepspec.eval.sampling import next_token, verify
-from deepspec.targets.taps import select_taps
+from deepspec.targets.taps import tap_hooks
 
 
 @dataclass
@@ -47,16 +49,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(model, ids: torch.Tensor, cache, hidden: bool):
+def _forward(model, ids: torch.Tensor, cache):
     """One target forward over `ids` appended to `cache`; a prefill (no cache yet) keeps only the last
-    position's logits (a [P, V] logits tensor for a long prompt costs more than the forward itself)."""
+    position's logits (a [P, V] logits tensor for a long prompt costs more than the forward itself).
+    Hidden states are not requested: taps, where needed, come from `tap_hooks`."""
     from transformers import DynamicCache
 
     kwargs = {}
     if cache is None:
         cache = DynamicCache(config=model.config)
         kwargs["logits_to_keep"] = 1
-    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=hidden, **kwargs)
+    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=False, **kwargs)
     return out, cache
 
 
@@ -82,7 +85,7 @@ def generate_target_only(
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     _sync(device)
     t0 = time.perf_counter()
-    out, cache = _forward(model, ids, None, hidden=False)
+    out, cache = _forward(model, ids, None)
     tokens: list[int] = []
     stopped = False
     while True:
@@ -93,7 +96,7 @@ def generate_target_only(
             break
         if len(tokens) >= max_new_tokens:
             break
-        out, cache = _forward(model, torch.tensor([tok], device=device), cache, hidden=False)
+        out, cache = _forward(model, torch.tensor([tok], device=device), cache)
     _sync(device)
     return Generation(tokens, time.perf_counter() - t0, stopped_by_eos=stopped)
 
@@ -128,40 +131,42 @@ def generate_speculative(
         tap_reduction = getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
     _sync(device)
     t0 = time.perf_counter()
-    out, cache = _forward(model, torch.tensor(prompt, dtype=torch.long, device=device), None, hidden=True)
-    new_taps = select_taps(out.hidden_states, taps, tap_reduction)[0]  # [P, n_taps, H]: positions 0..P-1
-    first = next_token(out.logits[0, -1], temperature, generator)
-    committed = prompt + [first]
-    tokens = [first]
-    seen = 0  # positions whose tap features the proposer has received
-    stopped = first in eos_ids
-    while not stopped and len(tokens) < max_new_tokens:
-        ids = torch.tensor(committed, dtype=torch.long, device=device)
-        drafts, q = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=temperature, generator=generator)
-        seen = len(committed) - 1
-        drafts = drafts.to(device=device, dtype=torch.long).reshape(-1)[:num_draft_tokens]
-        k = int(drafts.shape[0])
-        # verify: one forward over [last committed token, drafts]; logits row i is the target before draft i+1
-        verify_in = torch.cat([ids[-1:], drafts])
-        out, cache = _forward(model, verify_in, cache, hidden=True)
-        n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator)
-        accepted = drafts[:n].tolist()
-        checked = k
-        # stop inside the accepted drafts at the first EOS: drafts after it were never really checked
-        for j, tok in enumerate(accepted):
-            if tok in eos_ids:
-                accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
-                break
-        new = accepted if stopped else accepted + [emitted]
-        stopped = stopped or emitted in eos_ids
-        room = max_new_tokens - len(tokens)
-        stats.add_round(checked, n, min(len(new), room))
-        new = new[:room]
-        tokens.extend(new)
-        committed.extend(new)
-        # keep the target cache for committed positions that it has processed (all but the newest token)
-        _crop(cache, len(committed) - 1)
-        # tap features for the newly committed, target-processed positions: the input token + accepted drafts
-        new_taps = select_taps(out.hidden_states, taps, tap_reduction)[0, : len(committed) - 1 - seen]
+    with tap_hooks(model, taps, tap_reduction) as recorder:  # hooks on the tapped modules for this answer
+        out, cache = _forward(model, torch.tensor(prompt, dtype=torch.long, device=device), None)
+        new_taps = recorder.stacked(device)[0]  # [P, n_taps, W]: positions 0..P-1
+        first = next_token(out.logits[0, -1], temperature, generator)
+        committed = prompt + [first]
+        tokens = [first]
+        seen = 0  # positions whose tap features the proposer has received
+        stopped = first in eos_ids
+        while not stopped and len(tokens) < max_new_tokens:
+            ids = torch.tensor(committed, dtype=torch.long, device=device)
+            drafts, q = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=temperature, generator=generator)
+            seen = len(committed) - 1
+            drafts = drafts.to(device=device, dtype=torch.long).reshape(-1)[:num_draft_tokens]
+            k = int(drafts.shape[0])
+            # verify: one forward over [last committed token, drafts]; logits row i is the target before draft i+1
+            verify_in = torch.cat([ids[-1:], drafts])
+            out, cache = _forward(model, verify_in, cache)
+            verify_taps = recorder.stacked(device)[0]  # [1 + k, n_taps, W]: this forward's positions
+            n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator)
+            accepted = drafts[:n].tolist()
+            checked = k
+            # stop inside the accepted drafts at the first EOS: drafts after it were never really checked
+            for j, tok in enumerate(accepted):
+                if tok in eos_ids:
+                    accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
+                    break
+            new = accepted if stopped else accepted + [emitted]
+            stopped = stopped or emitted in eos_ids
+            room = max_new_tokens - len(tokens)
+            stats.add_round(checked, n, min(len(new), room))
+            new = new[:room]
+            tokens.extend(new)
+            committed.extend(new)
+            # keep the target cache for committed positions that it has processed (all but the newest token)
+            _crop(cache, len(committed) - 1)
+            # tap features for the newly committed, target-processed positions: the input token + accepted drafts
+            new_taps = verify_taps[: len(committed) - 1 - seen]
     _sync(device)
     return Generation(tokens, time.perf_counter() - t0, stats, stopped_by_eos=bool(tokens) and tokens[-1] in eos_ids)

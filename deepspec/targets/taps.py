@@ -16,9 +16,10 @@ Engines count differently; translate only here:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from deepspec.errors import ConfigError
+from deepspec.errors import ConfigError, TargetError
 
 if TYPE_CHECKING:
     import torch
@@ -88,55 +89,89 @@ def reduce_streams(x: "torch.Tensor", reduction: str) -> "torch.Tensor":
 def select_taps(hidden_states: Sequence["torch.Tensor"], taps: Sequence[int], reduction: str = "mean") -> "torch.Tensor":
     """Stack HF `output_hidden_states` entries for `taps`: returns [B, T, n_taps, W].
 
-    Entries are [B, T, H] (W = H) or, for multi-stream targets, [B, T, S, H] (reduced to W by `reduction`)."""
+    Entries are [B, T, H] (W = H) or, for multi-stream targets, [B, T, S, H] (reduced to W by `reduction`).
+    deepspec itself captures with `tap_hooks`; this is the reference its taps are golden-tested against."""
     import torch
 
     out = torch.stack([hidden_states[k + 1] for k in taps], dim=2)
     return reduce_streams(out, reduction) if out.dim() == 5 else out
 
 
+class TapRecorder:
+    """What the tap hooks caught in the target's latest forward; `stacked()` hands it over as [B, T, n_taps, W].
+
+    Each hook keeps only its module's newest output, so a reader gets exactly the last forward's taps
+    (a prefill's P positions, or a verify forward's 1 + k with a KV cache) and nothing older."""
+
+    def __init__(self, taps: Sequence[int], streams: int, reduction: str):
+        self.taps, self.streams, self.reduction = list(taps), streams, reduction
+        self._caught: dict[int, "torch.Tensor"] = {}
+
+    def _hook(self, k: int) -> Callable[..., None]:
+        def hook(_module, _args, output):
+            self._caught[k] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def stacked(self, device: "torch.device | None" = None) -> "torch.Tensor":
+        """The last forward's taps, stacked and reduced: [B, T, n_taps, W]; emptied so none is read twice.
+
+        A multi-stream target's embeddings tap is the embeddings copied into every stream, as its first
+        layer reads them; its [B, T, S, H] taps are reduced to W (H or S*H) by the recorder's reduction."""
+        import torch
+
+        missing = [k for k in self.taps if k not in self._caught]
+        if missing:
+            raise TargetError(
+                f"No output was caught for taps {missing}: read the taps after a forward of the target's decoder "
+                "(its tapped layers and, for -1, its embeddings must run)."
+            )
+        if device is None:
+            device = self._caught[self.taps[0]].device
+        states = []
+        for k in self.taps:
+            h = self._caught[k].to(device)
+            if self.streams > 1 and h.dim() == 3:  # embeddings: the same vector enters every stream
+                h = h.unsqueeze(2).expand(*h.shape[:2], self.streams, h.shape[-1])
+            states.append(h)
+        self._caught.clear()
+        out = torch.stack(states, dim=2)
+        return reduce_streams(out, self.reduction) if out.dim() == 5 else out
+
+
+@contextmanager
+def tap_hooks(model, taps: Sequence[int], reduction: str = "mean") -> Iterator[TapRecorder]:
+    """Forward hooks on the tapped decoder layers (and the embeddings for -1) that the family's adapter names,
+    for as long as the block runs; yields the recorder to read each forward's taps from.
+
+    Only the tapped states are kept — never every layer's, as `output_hidden_states` would. Both the cache
+    stage (`capture`) and the evaluator's decoding loop read taps through this one piece."""
+    from deepspec.targets.adapters import adapter_for, text_config
+
+    adapter = adapter_for(model.config)
+    validate_taps(taps, text_config(model.config).num_hidden_layers)
+    recorder = TapRecorder(taps, adapter.hc_mult(model.config), reduction)
+    layers = adapter.get_layers(model)
+    handles = [(adapter.get_embeddings(model) if k < 0 else layers[k]).register_forward_hook(recorder._hook(k))
+               for k in recorder.taps]
+    try:
+        yield recorder
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def capture(model, input_ids: "torch.Tensor", taps: Sequence[int], attention_mask: "torch.Tensor | None" = None,
             reduction: str = "mean"):
     """Run the target once; return (taps [B, T, n_taps, W], final normed hidden [B, T, H]).
 
-    Taps are caught by forward hooks on the tapped decoder layers (and the embeddings for -1) that the
-    family's adapter names, so only the needed states are kept — never every layer's. A multi-stream
-    target's taps [B, T, S, H] are reduced to W (H or S*H) by `reduction`; its embeddings tap is the
-    embeddings copied into every stream, as the model's first layer reads them.
-    The final normed hidden state is what the frozen LM head maps to logits, so target
+    Taps come from `tap_hooks` (hooks on the tapped modules only), reduced by `reduction` for multi-stream
+    targets. The final normed hidden state is what the frozen LM head maps to logits, so target
     distributions can be recomputed later without storing logits.
     """
     import torch
 
-    from deepspec.targets.adapters import adapter_for, text_config
+    from deepspec.targets.adapters import adapter_for
 
-    adapter = adapter_for(model.config)
-    num_layers = text_config(model.config).num_hidden_layers
-    validate_taps(taps, num_layers)
-    streams = adapter.hc_mult(model.config)
-    grabbed: dict[int, torch.Tensor] = {}
-
-    def keep(k: int):
-        def hook(_module, _args, output):
-            grabbed[k] = output[0] if isinstance(output, (tuple, list)) else output
-        return hook
-
-    layers = adapter.get_layers(model)
-    hooks = [(adapter.get_embeddings(model) if k < 0 else layers[k]).register_forward_hook(keep(k)) for k in taps]
-    try:
-        with torch.no_grad():
-            out = adapter.get_decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    device = out.last_hidden_state.device
-    states = []
-    for k in taps:
-        h = grabbed[k].to(device)
-        if streams > 1 and h.dim() == 3:  # embeddings: the same vector enters every stream
-            h = h.unsqueeze(2).expand(*h.shape[:2], streams, h.shape[-1])
-        states.append(h)
-    stacked = torch.stack(states, dim=2)
-    if stacked.dim() == 5:
-        stacked = reduce_streams(stacked, reduction)
-    return stacked, out.last_hidden_state
+    with tap_hooks(model, taps, reduction) as recorder, torch.no_grad():
+        out = adapter_for(model.config).get_decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return recorder.stacked(out.last_hidden_state.device), out.last_hidden_state
