@@ -3,6 +3,9 @@ attention), and the training attention is what the proposers compute at decoding
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,3 +124,60 @@ def test_vllm_serves_a_sliding_window_dflash_export(smollm2_dir, tmp_path):
     assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == 64
     counts = _serve_and_count(smollm2_dir, draft_dir, "dflash", 3, tmp_path)
     assert counts["drafts"] > 0 and counts["draft_tokens"] == 3 * counts["drafts"]
+
+
+# Short questions whose greedy answers (cut at ANSWER tokens) a one-layer draft can memorise in a few hundred steps.
+# The first is held out by the prompts stage (heldout=1), the rest are trained on and evaluated.
+PROMPTS = [
+    "What is the boiling point of water?", "Name three primary colors.", "What is the capital of France?",
+    "Count from one to ten.", "List the days of the week.", "What is two plus two?", "Say hello in Spanish.",
+    "Name the planets of the solar system.", "What color is the sky?",
+]
+ANSWER = 24  # tokens per answer: SmolLM2's chat prompt (its default system message included) + answer is ~60 > WINDOW
+WINDOW = 32
+STEPS = 300
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_trained_sliding_window_dflash_served_by_vllm_matches_our_eval(smollm2_dir, tmp_path, monkeypatch):
+    """A DFlash draft with a sliding window shorter than its sequences, trained to memorise a few answers, is
+    served by real vLLM (CPU) on the prompts it learnt: vLLM's mean acceptance length equals our tau@S (S =
+    block_size - 1, the served depth) within 10%, and both are clearly above 1, so the served draft computes what
+    we trained (a window vLLM ignored or applied differently would split the two)."""
+    pytest.importorskip("vllm")
+    from deepspec.config import load_config
+    from deepspec.pipeline import run
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in PROMPTS))
+    recipe = str(Path(__file__).resolve().parents[1] / "config" / "quickstart" / "dflash.yaml")
+    opts = [
+        f"output_root={tmp_path / 'out'}", f"train.output_root={tmp_path / 'ckpt'}", "target.dtype=float32",
+        f"data.prompts.source={prompts}", "data.prompts.max_samples=null", "data.prompts.heldout=1",
+        "data.regenerate.engine=hf", f"data.regenerate.sampling.max_tokens={ANSWER}", "cache.max_length=256",
+        "model.num_draft_layers=1", "model.block_size=4", "model.layer_types=[sliding_attention]", f"model.sliding_window={WINDOW}",
+        f"train.max_steps={STEPS}", f"train.val_every={STEPS}", f"train.save_every={STEPS}", "train.precision=fp32",
+        "train.warmup_ratio=0.0", "logging.wandb=false",
+        "eval.max_samples=null", f"eval.max_new_tokens={ANSWER}", "eval.num_draft_tokens=3", "eval.num_workers=1",
+        "eval.measure_speedup=false", "eval.engine_speedup=false", "eval.engine_max_model_len=1024",
+    ]
+    trained = load_config(recipe, opts).conversations_path  # the train split the prompts stage writes
+    (res,) = run([recipe], [*opts, f"eval.tasks=[{trained}]"])
+
+    from deepspec.data.cache.reader import CacheDataset
+
+    cache = CacheDataset(res.cfg.cache_train_dir)
+    lengths = [len(cache[i]["input_ids"]) for i in range(len(cache))]
+    assert len(lengths) == len(PROMPTS) - 1 and min(lengths) > WINDOW + 8, lengths  # the window bites on every sequence
+    exported = json.loads((res.eval_dir / "export-vllm" / "config.json").read_text())
+    assert exported["layer_types"] == ["sliding_attention"] and exported["sliding_window"] == WINDOW
+    engine = res.results["engine"]
+    assert engine["num_speculative_tokens"] == 3
+    ours, served = engine["overall"]["ours_tau_at_S"], engine["overall"]["engine_tau"]
+    print(f"sliding-window DFlash, S=3: ours tau@3 {ours:.3f}, vLLM mean acceptance length {served:.3f}")
+    assert engine["overall"]["engine_drafts"] > 0
+    assert ours >= 1.3, res.results["overall"]
+    assert abs(served - ours) / ours <= 0.10, engine["overall"]

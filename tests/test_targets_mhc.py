@@ -211,3 +211,45 @@ def test_mhc_readme_v4_commands_train_both_recipes(tmp_path):
     for algo in ("dflash", "eagle3"):
         (run_dir,) = (tmp_path / "checkpoints" / "deepseek-v4-flash").glob(f"{algo}*")
         assert (run_dir / "step_6" / "model.safetensors").is_file(), sorted(p.name for p in run_dir.iterdir())
+
+
+def _readme_v4_block() -> str:
+    """The README's bash block that trains both DeepSeek-V4-Flash recipes on tiny-mhc."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "deepseek-v4-flash.yaml" in b and "tiny-mhc" in b]
+    assert len(blocks) == 1, "the README shows the V4-Flash commands on tiny-mhc in one bash block"
+    return blocks[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mhc_readme_v4_flash_commands_train_both_recipes(tmp_path):
+    """The README's exact commands (only the output folders moved into tmp_path): prompts -> regenerate -> cache on
+    tiny-mhc, then train.sh with 2 workers for the DFlash recipe, then the EAGLE-3.1 recipe on its own cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    block = _readme_v4_block()
+    moved = block.replace('TINY="', f'TINY="output_root={tmp_path / "out"} train.output_root={tmp_path / "ckpt"} ', 1)
+    moved = moved.replace("cache.dir=outputs/", f"cache.dir={tmp_path / 'out'}/")
+    assert moved.count(str(tmp_path)) == 3, "the README block's shape changed: update this test's redirection"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               DEEPSPEC_CACHE=str(tmp_path / "dscache"), DEEPSPEC_CACHE_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_NO_PROGRESS="1")
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", moved], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=840)
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    from deepspec.drafts.checkpoint import load_draft
+
+    for exp, width, reduction in (("dflash", 4 * 64, "concat"), ("eagle3", 64, "mean")):
+        steps = sorted((tmp_path / "ckpt" / "deepseek-v4-flash").glob(f"{exp}*/step_6"))
+        assert len(steps) == 1, sorted((tmp_path / "ckpt").rglob("step_*"))
+        arch = load_draft(steps[0]).arch
+        assert (arch.target_hidden_size, arch.tap_reduction) == (width, reduction)
+    manifest = json.loads((tmp_path / "out" / "deepseek-v4-flash" / "cache-eagle3" / "train" / "manifest.json").read_text())
+    assert (manifest["hc_mult"], manifest["tap_reduction"]) == (4, "mean")
