@@ -93,13 +93,18 @@ def main() -> int:
                 if turns:
                     prompts.append(turns[0])
     prompts = prompts[: args.max_samples] if args.max_samples else prompts
+    # the same prompts at every budget: drop those whose chat prompt + the largest budget exceeds the context
+    fits = [p for p in prompts
+            if len(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]) + max(args.max_tokens) < args.max_model_len]
+    skipped, prompts = len(prompts) - len(fits), fits
 
     t0 = time.perf_counter()
     export_dir = ckpt / "eval" / "export-vllm"
     export_draft(ckpt, export_dir, "vllm", target=target_path)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": args.spec_tokens}
     out: dict = {"checkpoint": str(ckpt), "algorithm": algo, "prompts": str(prompts_path), "samples": len(prompts),
-                 "num_speculative_tokens": args.spec_tokens, "by_max_tokens": {}}
+                 "skipped_too_long": skipped, "max_model_len": args.max_model_len, "num_speculative_tokens": args.spec_tokens, "by_max_tokens": {}}
     with VLLMServer(target_path, speculative_config=spec, max_model_len=args.max_model_len) as server:
         http = httpx.Client(base_url=server.url, timeout=httpx.Timeout(1800.0))
 

@@ -1,6 +1,7 @@
-"""A reduced quickstart, end to end on the embedded SmolLM2 target with the real vLLM engine:
-prompts -> regenerate (in-process vLLM) -> cache -> train EAGLE-3.1 -> eval (ours) -> export ->
-vLLM serving the export. Asserts every stage's artifact, and that vLLM accepted draft tokens."""
+"""A reduced quickstart (the recipe `scripts/quickstart.sh` runs), end to end on the embedded SmolLM2 target with
+the real vLLM engine: blended prompts -> regenerate (in-process vLLM) -> cache -> train EAGLE-3.1 -> eval (ours, on
+the general held-out split) -> export -> vLLM serving the export. Asserts every stage's artifact, and that vLLM
+accepted draft tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[1]
+RECIPE = "config/quickstart/eagle3_blend.yaml"  # what scripts/quickstart.sh runs
+PROJECT = "quickstart-blend"
 
 
 @pytest.mark.timeout(1500)
@@ -24,22 +27,33 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
         f"output_root={out}", f"train.output_root={ckpts}",
         "data.prompts.max_samples=40", "data.prompts.heldout=4", "data.regenerate.sampling.max_tokens=64",
         "cache.max_length=256", "train.max_steps=30", "train.val_every=15", "train.save_every=15",
-        "eval.tasks=[heldout,gsm8k]", "eval.max_samples=1", "eval.max_new_tokens=32",
+        "eval.tasks=[heldout:general]", "eval.task_max_samples={}", "eval.max_samples=1", "eval.max_new_tokens=32",
+        "eval.num_workers=1",
     ]
     env = dict(os.environ, DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "deepspec.cli", "run", "config/quickstart/eagle3.yaml", "--opts", *opts]
+    cmd = [sys.executable, "-m", "deepspec.cli", "run", RECIPE, "--opts", *opts]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
-    data = out / "quickstart" / "data"
+    data = out / PROJECT / "data"
     for name in ("conversations.jsonl", "heldout.jsonl", "regenerated.jsonl", "regenerated.heldout.jsonl"):
         assert (data / name).is_file() and (data / name).stat().st_size > 0, name
     ids = [json.loads(line)["id"] for line in (data / "regenerated.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)) > 0
+    # the blend: per-source counts in the summary, and held-out splits drawn from sources training never sees
+    entries = json.loads((data / "prompts_summary.json").read_text())["source"]["entries"]
+    taken = {e["name"]: e["taken"] for e in entries}
+    assert all(taken[name] > 0 for name in ("chat", "instructions", "tool-calls")), taken
+    def parts(split: str) -> set[tuple[str, str | None]]:  # (source, subset) pairs of a split's entries
+        return {(e["source"], sub) for e in entries if e["split"] == split for sub in (e["subset"] or [None])}
+
+    assert not parts("general") & parts("train") and not parts("agentic") & parts("train")
+    for split in ("general", "agentic"):
+        assert len((data / f"heldout.{split}.jsonl").read_text().splitlines()) > 0
     for split in ("train", "heldout"):
-        manifest = json.loads((out / "quickstart" / "cache" / split / "manifest.json").read_text())
+        manifest = json.loads((out / PROJECT / "cache" / split / "manifest.json").read_text())
         assert manifest["taps"] == [-1, 1, 14, 26]  # the embeddings feed the copy heads' keys
-    (run_dir,) = (ckpts / "quickstart").glob("eagle3*")  # the run name records the overrides
+    (run_dir,) = (ckpts / PROJECT).glob("eagle3*")  # the run name records the overrides
     step = run_dir / "step_30"
     assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
     assert (run_dir / "step_latest").exists()
@@ -47,19 +61,20 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     results = json.loads((eval_dir / "results.json").read_text())
     assert (eval_dir / "results.md").is_file() and (eval_dir / "acceptance.png").stat().st_size > 1000
     assert results["overall"]["rounds"] > 0 and results["overall"]["tau"] >= 1.0
+    assert list(results["tasks"]) == ["heldout:general"]
     engine = results["engine"]["overall"]
     assert engine["engine_drafts"] > 0
     assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
     export = eval_dir / "export-vllm" / "config.json"  # engine-backed eval exports next to its results
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 2, 15, 27]
-    summary = (out / "quickstart" / "summary.md").read_text()
+    summary = (out / PROJECT / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
     assert "served by vLLM: mean acceptance length per benchmark" in summary  # the held-out figure, not only overall
 
     # decoding sees what validation measured: the proposer replaying the held-out cache gets the
     # validation greedy tau (bf16 rounding aside) — an alignment slip between the two would split them
     replay = subprocess.run(
-        [sys.executable, "benchmarks/bench_replay.py", str(step), "--cache", str(out / "quickstart" / "cache" / "heldout")],
+        [sys.executable, "benchmarks/bench_replay.py", str(step), "--cache", str(out / PROJECT / "cache" / "heldout")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert replay.returncode == 0, replay.stderr[-4000:]
@@ -70,7 +85,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     # the copy benchmark runs on the same checkpoint, trained and with the copy heads alone (model.init_copy_heads)
     for extra in ([], ["--reinit-copy-heads"]):
         copy = subprocess.run(
-            [sys.executable, "benchmarks/bench_copy.py", str(step), "--cache", str(out / "quickstart" / "cache" / "heldout"), *extra],
+            [sys.executable, "benchmarks/bench_copy.py", str(step), "--cache", str(out / PROJECT / "cache" / "heldout"), *extra],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
         )
         assert copy.returncode == 0, copy.stderr[-4000:]
