@@ -197,7 +197,7 @@ def test_blend_quickstart_recipe_builds_its_splits(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)
     cfg = load_config(root / "config" / "quickstart" / "eagle3_blend.yaml", [f"data.dir={tmp_path / 'data'}"])
-    assert cfg.eval.tasks == ["heldout:general", "heldout:agentic", "heldout"] and cfg.eval.max_new_tokens == 160
+    assert cfg.eval.tasks == ["heldout:general", "heldout:agentic"] and cfg.eval.max_new_tokens == 160
     assert cfg.data.regenerate.sampling.max_tokens == 160 and cfg.eval.engine_num_speculative_tokens == 3
     build_prompts(cfg)
     per = json.loads((cfg.data_dir / "prompts_summary.json").read_text())["per_source"]
