@@ -44,6 +44,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     entries = json.loads((data / "prompts_summary.json").read_text())["source"]["entries"]
     taken = {e["name"]: e["taken"] for e in entries}
     assert all(taken[name] > 0 for name in ("chat", "instructions", "tool-calls")), taken
+
     def parts(split: str) -> set[tuple[str, str | None]]:  # (source, subset) pairs of a split's entries
         return {(e["source"], sub) for e in entries if e["split"] == split for sub in (e["subset"] or [None])}
 
