@@ -73,6 +73,7 @@ def main() -> int:
 
     from deepspec.drafts.checkpoint import read_draft_config
     from deepspec.eval.engine import VLLM_METHODS
+    from deepspec.eval.runner import render_prompt
     from deepspec.export.writers import export_draft
     from deepspec.serving import VLLMServer, counters_delta
     from deepspec.targets import load_tokenizer, resolve_target_path
@@ -95,8 +96,7 @@ def main() -> int:
     prompts = prompts[: args.max_samples] if args.max_samples else prompts
     # the same prompts at every budget: drop those whose chat prompt + the largest budget exceeds the context
     fits = [p for p in prompts
-            if len(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"]) + max(args.max_tokens) < args.max_model_len]
+            if len(render_prompt(tok, [{"role": "user", "content": p}], {})) + max(args.max_tokens) < args.max_model_len]
     skipped, prompts = len(prompts) - len(fits), fits
 
     t0 = time.perf_counter()
