@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does an EAGLE-3 draft copy the target's loops? Prints one JSON object.
 
-    python benchmarks/bench_copy.py CKPT [--cache outputs/quickstart/cache/heldout] [--max-samples N]
+    python benchmarks/bench_copy.py CKPT [--cache outputs/quickstart-blend/cache/heldout] [--max-samples N]
                                          [--reinit-copy-heads]
 
 For every supervised answer position of the held-out cache we ask two predictors for the token the draft's
@@ -43,7 +43,7 @@ def trigram_lookup(ids: list[int], t: int) -> int | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="an EAGLE-3 draft checkpoint (step_N folder)")
-    p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart" / "cache" / "heldout"))
+    p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart-blend" / "cache" / "heldout"))
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--reinit-copy-heads", action="store_true", help="measure the untrained copy heads instead of the trained draft")
     args = p.parse_args()

@@ -5,7 +5,7 @@
     python benchmarks/bench_eval.py --random-draft eagle3   # an untrained draft: measures the loop's overhead
 
 CKPT is a trained draft for SmolLM2-135M-Instruct — `bash scripts/quickstart.sh` produces one
-(checkpoints/quickstart/.../step_latest). Without CKPT and without --random-draft nothing is trained:
+(checkpoints/quickstart-blend/.../step_latest). Without CKPT and without --random-draft nothing is trained:
 the script says so and exits 2. Target-only and speculative decoding run in the same process on the
 same prompts (greedy, fp32 on CPU), so `speedup` = spec_tokens_per_s / target_tokens_per_s.
 """

@@ -3,7 +3,7 @@
 Proposer (the code path our evaluator drives, with the served chain's semantics) and compares the
 greedy acceptance it gets with the trainer's validation figure on the same samples. Prints one JSON object.
 
-    python benchmarks/bench_replay.py CKPT [--cache outputs/quickstart/cache/heldout] [--depth 3]
+    python benchmarks/bench_replay.py CKPT [--cache outputs/quickstart-blend/cache/heldout] [--depth 3]
 
 Why: validation runs the draft in its training form (all TTT depths in one pass over cached target
 states); decoding runs it one committed position and one drafted token at a time. An alignment slip
@@ -36,8 +36,8 @@ from _draft_on_cache import input_error, load_draft_and_cache  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="trained draft checkpoint (e.g. checkpoints/quickstart/eagle3/step_latest)")
-    p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart" / "cache" / "heldout"),
+    p.add_argument("checkpoint", help="trained draft checkpoint (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
+    p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart-blend" / "cache" / "heldout"),
                    help="a cache split the draft was not trained on (default: the quickstart's held-out split)")
     p.add_argument("--depth", type=int, default=None,
                    help="drafted tokens per position (default: the draft's TTT length, the depths validation counts)")

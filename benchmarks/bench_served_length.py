@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How does vLLM's served acceptance depend on how long the answers run? Prints one JSON object.
 
-    python benchmarks/bench_served_length.py CKPT [--prompts outputs/quickstart/data/heldout.jsonl]
+    python benchmarks/bench_served_length.py CKPT [--prompts outputs/quickstart-blend/data/heldout.general.jsonl]
                                                   [--max-tokens 128 256 512 1024] [--spec-tokens 3]
 
 One vLLM server with the exported draft (`--speculative-config`, greedy) answers the same prompts once
@@ -54,9 +54,9 @@ def trigram_hits(ids: list[int]) -> tuple[int, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="trained EAGLE-3 or DFlash draft (e.g. checkpoints/quickstart/eagle3/step_latest)")
-    p.add_argument("--prompts", default=str(ROOT / "outputs" / "quickstart" / "data" / "heldout.jsonl"),
-                   help="conversations JSONL whose first user turns are asked (default: the quickstart's held-out prompts)")
+    p.add_argument("checkpoint", help="trained EAGLE-3 or DFlash draft (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
+    p.add_argument("--prompts", default=str(ROOT / "outputs" / "quickstart-blend" / "data" / "heldout.general.jsonl"),
+                   help="conversations JSONL whose first user turns are asked (default: the quickstart's general held-out split)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 256, 512, 1024])
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--max-samples", type=int, default=None)

@@ -2,7 +2,7 @@
 
 Each bench_*.py prints one JSON object (its last stdout line that parses as JSON). Usage:
     python benchmarks/run_all.py [--only cache train] [--checkpoint CKPT] [--quickstart-summary PATH]
-The quickstart summary (outputs/quickstart/summary.json, written by `deepspec run`) is folded in
+The quickstart summary (outputs/quickstart-blend/summary.json, written by `deepspec run`) is folded in
 when present, so one file carries tau per algorithm and benchmark as well.
 """
 
@@ -69,9 +69,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=BENCHES, default=BENCHES)
     ap.add_argument("--checkpoint", default=None,
-                    help="draft checkpoint for bench_eval (default: the quickstart's checkpoints/quickstart/eagle3/step_latest "
+                    help="draft checkpoint for bench_eval (default: the quickstart's checkpoints/quickstart-blend/eagle3/step_latest "
                          "when it exists, else an untrained draft, which measures only the decoding loop's overhead)")
-    ap.add_argument("--quickstart-summary", default="outputs/quickstart/summary.json")
+    ap.add_argument("--quickstart-summary", default="outputs/quickstart-blend/summary.json")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,7 +87,7 @@ def main() -> int:
         # rerunning some benchmarks keeps the others' figures from the same day's file
         data["benchmarks"].update(json.loads(out.read_text()).get("benchmarks", {}))
     checkpoint = args.checkpoint
-    default_ckpt = HERE.parent / "checkpoints" / "quickstart" / "eagle3" / "step_latest"
+    default_ckpt = HERE.parent / "checkpoints" / "quickstart-blend" / "eagle3" / "step_latest"
     if checkpoint is None and default_ckpt.exists():
         checkpoint = str(default_ckpt)
     for name in args.only:
