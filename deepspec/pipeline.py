@@ -92,16 +92,15 @@ def stage_regenerate(cfg) -> tuple[bool, dict[str, Any]]:
 def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
     from deepspec.data.cache.format import check_manifest, is_complete, load_manifest
     from deepspec.data.cache.reader import expected_provenance
-    from deepspec.data.cache.writer import build_cache
+    from deepspec.data.cache.writer import build_caches
 
     splits = [("train", cfg.cache_train_dir)]
     if cfg.regenerated_heldout_path.is_file():
         splits.append(("heldout", cfg.cache_heldout_dir))
     skipped = all(is_complete(d) for _, d in splits)
+    build_caches(cfg, [split for split, d in splits if not is_complete(d)], nproc=cfg.cache.num_workers)
     for split, d in splits:
-        if not is_complete(d):
-            build_cache(cfg, split, nproc=cfg.cache.num_workers)
-        elif split == "train":
+        if is_complete(d) and split == "train":
             # A finished cache of the project is reused only if this recipe could train on it (two recipes of one
             # project with other taps or stream reduction need their own cache.dir): refuse now, not after training starts.
             check_manifest(load_manifest(d), expected_provenance(cfg))

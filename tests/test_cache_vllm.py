@@ -11,12 +11,22 @@ import torch
 from deepspec.config import config_from_dict
 from deepspec.data.cache import format as fmt
 from deepspec.data.cache.reader import CacheDataset
-from deepspec.data.cache.writer import build_cache
+from deepspec.data.cache.writer import build_cache, build_caches
 
 
 @pytest.mark.slow
-def test_vllm_capture_matches_hf(smollm2_dir, tmp_path):
+def test_vllm_capture_matches_hf(smollm2_dir, tmp_path, monkeypatch):
     pytest.importorskip("vllm")
+    from deepspec.data.cache import vllm_capture
+
+    engines = []
+
+    class CountedFeaturizer(vllm_capture.VLLMFeaturizer):  # the real engine, counted
+        def __init__(self, *a, **k):
+            engines.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(vllm_capture, "VLLMFeaturizer", CountedFeaturizer)
     (tmp_path / "data").mkdir()
     convs = [
         [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple is a common fruit."}],
@@ -24,9 +34,10 @@ def test_vllm_capture_matches_hf(smollm2_dir, tmp_path):
          {"role": "user", "content": "And back?"}, {"role": "assistant", "content": "Five, four, three, two, one."}],
         [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there! How can I help you today?"}],
     ]
-    with open(tmp_path / "data" / "regenerated.jsonl", "w") as f:
-        for i, c in enumerate(convs):
-            f.write(json.dumps({"id": f"c{i}", "conversations": c}) + "\n")
+    for name, rows in (("regenerated.jsonl", convs), ("regenerated.heldout.jsonl", convs[1:])):
+        with open(tmp_path / "data" / name, "w") as f:
+            for i, c in enumerate(rows):
+                f.write(json.dumps({"id": f"c{i}", "conversations": c}) + "\n")
     dirs = {}
     for backend in ("hf", "vllm"):
         cfg = config_from_dict({
@@ -34,7 +45,12 @@ def test_vllm_capture_matches_hf(smollm2_dir, tmp_path):
             "data": {"dir": str(tmp_path / "data")},
             "cache": {"dir": str(tmp_path / backend), "dtype": "fp32", "capture_backend": backend, "max_length": 256},
         })
-        dirs[backend] = build_cache(cfg, "train")
+        if backend == "hf":
+            dirs[backend] = build_cache(cfg, "train")
+        else:  # both splits through one engine
+            dirs[backend], held = build_caches(cfg, ["train", "heldout"])
+    assert len(engines) == 1
+    assert len(CacheDataset(held)) == 2 and fmt.load_manifest(held)["capture_backend"] == "vllm"
     m = fmt.load_manifest(dirs["vllm"])
     assert m["capture_backend"] == "vllm" and m["taps"] == [1, 14, 26]
     hf, vl = CacheDataset(dirs["hf"]), CacheDataset(dirs["vllm"])

@@ -27,7 +27,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
         f"output_root={out}", f"train.output_root={ckpts}",
         "data.prompts.max_samples=40", "data.prompts.heldout=4", "data.regenerate.sampling.max_tokens=64",
         "cache.max_length=256", "train.max_steps=30", "train.val_every=15", "train.save_every=15",
-        "eval.tasks=[heldout:general]", "eval.task_max_samples={}", "eval.max_samples=1", "eval.max_new_tokens=32",
+        "eval.tasks=[heldout:general]", "eval.task_max_samples={}", "eval.max_samples=3", "eval.max_new_tokens=48",
         "eval.num_workers=1",
     ]
     env = dict(os.environ, DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")

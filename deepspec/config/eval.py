@@ -29,6 +29,12 @@ class EvalConfig:
     num_workers: int = 0
     # Time target-only decoding on the same prompts in the same process (for tokens/s and speedup).
     measure_speedup: bool = True
+    # T=0 without timing: the target answers the prompts in batches (replay_batch_size at a time), then each answer's
+    # verify rounds are replayed against it (one target forward per answer instead of one per round). Greedy
+    # verification accepts exactly the drafts equal to the target's greedy tokens, so the counters are the speculative
+    # loop's (pinned by tests/test_eval_replay.py); about twice as fast on CPU. Needs temperature 0, measure_speedup false.
+    greedy_replay: bool = False
+    replay_batch_size: int = 16
     output_dir: str = ""  # empty = <checkpoint>/eval
     # Engine-backed eval: the same prompts through vLLM with --speculative-config.
     engine: Literal["none", "vllm"] = "none"
@@ -59,6 +65,13 @@ class EvalConfig:
             raise ConfigError(f"eval.num_workers must be >= 0 (0 = auto), got {self.num_workers}.")
         if self.max_samples is not None and self.max_samples < 1:
             raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}.")
+        if self.greedy_replay and (self.temperature != 0 or self.measure_speedup):
+            raise ConfigError(
+                "eval.greedy_replay replays greedy verification and times nothing: it needs eval.temperature=0 and "
+                "eval.measure_speedup=false (or set eval.greedy_replay=false to decode every answer)."
+            )
+        if self.replay_batch_size < 1:
+            raise ConfigError(f"eval.replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.engine_speedup_max_samples < 1:
             raise ConfigError(f"eval.engine_speedup_max_samples must be >= 1, got {self.engine_speedup_max_samples}.")
         if self.engine_speedup_max_new_tokens is not None and self.engine_speedup_max_new_tokens < 1:

@@ -170,3 +170,116 @@ def generate_speculative(
             new_taps = verify_taps[: len(committed) - 1 - seen]
     _sync(device)
     return Generation(tokens, time.perf_counter() - t0, stats, stopped_by_eos=bool(tokens) and tokens[-1] in eos_ids)
+
+
+# ----------------------------------------------------------------------------------------- greedy replay
+
+
+@torch.inference_mode()
+def greedy_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: set[int] | frozenset[int] = frozenset(),
+                   pad_id: int = 0, batch_size: int = 16) -> list[list[int]]:
+    """The target's greedy answers to many prompts, `batch_size` at a time (left-padded, length-sorted), each cut
+    after its first EOS. Batching is what makes this cheap: one forward serves a whole batch per token. Our own loop,
+    not `generate`, so no generation-config default (its EOS ids, a repetition penalty) changes the answers."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(idx), width), dtype=torch.long, device=device)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long, device=device)
+            mask[row, width - len(prompts[i]):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        done = torch.zeros(len(idx), dtype=torch.bool, device=device)
+        steps = []
+        for _ in range(max_new_tokens):
+            nxt = out.logits[:, -1].argmax(-1)
+            steps.append(torch.where(done, -1, nxt))
+            done |= torch.isin(nxt, eos)
+            if bool(done.all()) or len(steps) == max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        table = torch.stack(steps, dim=1).tolist()
+        for row, i in enumerate(idx):
+            answers[i] = [t for t in table[row] if t >= 0]
+    return answers
+
+
+@torch.inference_mode()
+def replay_speculative(
+    model,
+    proposer: Proposer,
+    taps: Sequence[int],
+    prompt_ids: Sequence[int],
+    greedy: Sequence[int],
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    tap_reduction: str | None = None,
+) -> Generation:
+    """`generate_speculative` at T=0 replayed against the target's greedy answer `greedy`: the same rounds, drafts
+    and counters, with one target forward over prompt + answer instead of one verify forward per round.
+
+    Why it is exact: greedy verification accepts the leading drafts equal to the target's argmax and then emits the
+    argmax, so every round's outcome is fixed by the greedy answer; and the taps the proposer receives are causal,
+    so one full forward yields those of every committed position. `greedy` must run `num_draft_tokens` + 1 tokens
+    past `max_new_tokens` (or end with EOS) so the last round's drafts have something to be checked against.
+    """
+    device = next(model.parameters()).device
+    prompt, greedy = list(prompt_ids), list(greedy)
+    if not greedy:
+        raise ValueError("replay needs the target's greedy answer (at least one token)")
+    stats = AcceptanceStats()
+    proposer.reset()
+    if tap_reduction is None:
+        tap_reduction = getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
+    _sync(device)
+    t0 = time.perf_counter()
+    with tap_hooks(model, taps, tap_reduction) as recorder:
+        model(input_ids=torch.tensor(prompt + greedy, dtype=torch.long, device=device)[None], use_cache=False,
+              output_hidden_states=False, logits_to_keep=1)
+        all_taps = recorder.stacked(device)[0]  # [P + len(greedy), n_taps, W]
+    tokens = [greedy[0]]
+    committed = prompt + tokens
+    new_taps = all_taps[: len(prompt)]
+    seen = 0
+    stopped = greedy[0] in eos_ids
+    while not stopped and len(tokens) < max_new_tokens:
+        ids = torch.tensor(committed, dtype=torch.long, device=device)
+        drafts, _ = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=0.0)
+        seen = len(committed) - 1
+        drafts = drafts.reshape(-1)[:num_draft_tokens].tolist()
+        k = len(drafts)
+        ref = greedy[len(tokens) : len(tokens) + k + 1]  # the target's argmax after committed, then after each draft
+        if len(ref) < k + 1 and not (ref and ref[-1] in eos_ids):
+            raise ValueError(f"the greedy answer ends after {len(greedy)} tokens without EOS; replay needs "
+                             f"{len(tokens) + k + 1} (max_new_tokens + num_draft_tokens + 1)")
+        n = 0
+        while n < min(k, len(ref)) and drafts[n] == ref[n]:
+            n += 1
+        accepted, checked = drafts[:n], k
+        for j, tok in enumerate(accepted):  # an accepted EOS ends the answer; later drafts were never checked
+            if tok in eos_ids:
+                accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
+                break
+        new = accepted if stopped else accepted + [ref[n]]
+        stopped = stopped or new[-1] in eos_ids
+        room = max_new_tokens - len(tokens)
+        stats.add_round(checked, n, min(len(new), room))
+        new = new[:room]
+        tokens.extend(new)
+        committed.extend(new)
+        new_taps = all_taps[seen : len(committed) - 1]
+    _sync(device)
+    return Generation(tokens, time.perf_counter() - t0, stats, stopped_by_eos=bool(tokens) and tokens[-1] in eos_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "build_cache": "writer", "plan_split": "writer", "estimate": "writer", "resolve_taps": "writer",
+    "build_cache": "writer", "build_caches": "writer", "plan_split": "writer", "estimate": "writer", "resolve_taps": "writer",
     "is_complete": "format", "load_manifest": "format", "check_manifest": "format",
     "CacheDataset": "reader", "collate": "reader", "open_cache": "reader", "expected_provenance": "reader",
     "ResumableBatchSampler": "sampler",

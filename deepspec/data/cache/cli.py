@@ -28,7 +28,7 @@ def splits_to_build(cfg, which: str = "all") -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deepspec.data.cache.writer import build_cache, estimate, plan_split
+    from deepspec.data.cache.writer import build_caches, estimate, plan_split
 
     cfg = config_from_args(args)
     splits = splits_to_build(cfg, args.split)
@@ -36,6 +36,5 @@ def main(args: argparse.Namespace) -> int:
         for split in splits:
             print(json.dumps(estimate(plan_split(cfg, split))))
         return 0
-    for split in splits:
-        build_cache(cfg, split, overwrite=args.overwrite, nproc=args.nproc)
+    build_caches(cfg, splits, overwrite=args.overwrite, nproc=args.nproc)
     return 0

@@ -326,17 +326,19 @@ def shard_done(directory: Path, plan: Plan, s: int) -> bool:
     return idx.is_file() and bin_path.is_file() and bin_path.stat().st_size == plan.shard_bytes(s)
 
 
-def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, device: str | None = None, model=None) -> int:
+def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, device: str | None = None, model=None,
+                 session: "CaptureSession | None" = None) -> int:
     """Capture every unfinished shard s with s % world == rank; returns how many were written.
 
-    `model`: an already loaded target (HF causal LM); otherwise the target of `cfg` is loaded."""
+    `model`: an already loaded target (HF causal LM); otherwise the target of `cfg` is loaded.
+    `session`: keeps a vLLM capture engine alive for the next split (`build_caches`)."""
     todo = [s for s in range(len(plan.shards)) if s % world == rank and not shard_done(directory, plan, s)]
     skipped = sum(1 for s in range(len(plan.shards)) if s % world == rank) - len(todo)
     if skipped:
         log.info("rank %d: %d shard(s) already complete, %d to write", rank, skipped, len(todo))
     if not todo:
         return 0
-    featurize, close = _featurizer(plan, cfg, device, model)
+    featurize, close = _featurizer(plan, cfg, device, model, session)
     tokenizer, _ = _load_plan_inputs(cfg)
     total_tokens = sum(x.length for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
     bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
@@ -350,7 +352,28 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
     return len(todo)
 
 
-def _featurizer(plan: Plan, cfg, device: str | None, model):
+class CaptureSession:
+    """One vLLM capture engine shared by the splits of a build: its start-up (~15-25 s on CPU, minutes for a
+    large target on GPUs) is paid once, not once per split. Closed by `build_caches`."""
+
+    def __init__(self) -> None:
+        self._engine = None
+        self._key: tuple | None = None
+
+    def engine(self, key: tuple, make):
+        if self._engine is not None and self._key != key:
+            self.close()
+        if self._engine is None:
+            self._engine, self._key = make(), key
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine, self._key = None, None
+
+
+def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSession | None = None):
     """(batch -> iterator of (sample, features)), and how to release it, for the plan's capture backend."""
     taps = plan.signature["taps"]
     reduction = plan.signature.get("tap_reduction", "mean")
@@ -364,10 +387,16 @@ def _featurizer(plan: Plan, cfg, device: str | None, model):
         from deepspec.data.cache.vllm_capture import VLLMFeaturizer
         from deepspec.targets import resolve_target_path
 
-        vf = VLLMFeaturizer(
-            resolve_target_path(cfg.target.name), taps, dtype=cfg.target.dtype, max_model_len=cfg.cache.max_length + 8,
-            revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code, vllm_kwargs=cfg.cache.vllm_kwargs,
-        )
+        def make():
+            return VLLMFeaturizer(
+                resolve_target_path(cfg.target.name), taps, dtype=cfg.target.dtype, max_model_len=cfg.cache.max_length + 8,
+                revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code, vllm_kwargs=cfg.cache.vllm_kwargs,
+            )
+
+        if session is not None:
+            key = (cfg.target.name, tuple(taps), cfg.target.dtype, cfg.cache.max_length, repr(cfg.cache.vllm_kwargs))
+            return session.engine(key, make), (lambda: None)
+        vf = make()
         return vf, vf.close
     if model is None:
         from deepspec.targets import load_target_from_config
@@ -476,11 +505,21 @@ def plan_split(cfg, split: str) -> Plan:
     return make_plan(cfg, split, tokenizer, tconf)
 
 
-def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: int | None = None) -> Path:
+def build_caches(cfg, splits: list[str], *, overwrite: bool = False, nproc: int | None = None) -> list[Path]:
+    """Build (or resume) several splits (train, heldout) with one capture engine; returns their directories."""
+    session = CaptureSession()
+    try:
+        return [build_cache(cfg, split, overwrite=overwrite, nproc=nproc, session=session) for split in splits]
+    finally:
+        session.close()
+
+
+def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: int | None = None,
+                session: CaptureSession | None = None) -> Path:
     """Build (or resume) the cache of one split; returns its directory. Skips a complete matching cache.
 
     Workers: under torchrun (WORLD_SIZE > 1) each rank takes its shards and rank 0 finalizes;
-    otherwise `nproc` (default cache.num_workers) CPU processes are spawned."""
+    otherwise `nproc` (default cache.num_workers) CPU processes are spawned. `session`: see `build_caches`."""
     from deepspec.config import save_config
 
     _, directory = split_paths(cfg, split)
@@ -519,7 +558,7 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
     else:
         nproc = nproc or cfg.cache.num_workers or 1
         if nproc <= 1:
-            write_shards(directory, plan, 0, 1, cfg=cfg)
+            write_shards(directory, plan, 0, 1, cfg=cfg, session=session)
         else:
             import torch.multiprocessing as mp
 
