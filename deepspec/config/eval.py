@@ -32,7 +32,8 @@ class EvalConfig:
     # T=0 without timing: the target answers the prompts in batches (replay_batch_size at a time), then each answer's
     # verify rounds are replayed against it (one target forward per answer instead of one per round). Greedy
     # verification accepts exactly the drafts equal to the target's greedy tokens, so the counters are the speculative
-    # loop's (pinned by tests/test_eval_replay.py); about twice as fast on CPU. Needs temperature 0, measure_speedup false.
+    # loop's (pinned by tests/test_eval_replay.py). Meant for GPUs, where batched generation is cheap (not timed there
+    # yet); on 2 CPU cores it was slower than decoding (docs/evaluation.md). Needs temperature 0, measure_speedup false.
     greedy_replay: bool = False
     replay_batch_size: int = 16
     output_dir: str = ""  # empty = <checkpoint>/eval

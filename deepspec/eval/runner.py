@@ -275,7 +275,8 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
 
 def _replay_worker(cfg, target, proposer, taps, eos, tmpl_kwargs, mine: list[WorkItem], count, rank: int) -> list[dict]:
     """eval.greedy_replay: the target answers every prompt of a turn in batches, then each answer's verify rounds
-    are replayed (`replay_speculative`): the counters of the speculative loop at T=0, about twice as fast on CPU."""
+    are replayed (`replay_speculative`): the counters of the speculative loop at T=0. Meant for GPUs, where batched generation
+    is cheap next to one target forward per round (not timed there yet); on 2 CPU cores it was slower than decoding (docs/evaluation.md)."""
     from deepspec.eval.decode import greedy_answers, replay_speculative
 
     ecfg = cfg.eval

@@ -353,8 +353,8 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
 
 
 class CaptureSession:
-    """One vLLM capture engine shared by the splits of a build: its start-up (~15-25 s on CPU, minutes for a
-    large target on GPUs) is paid once, not once per split. Closed by `build_caches`."""
+    """One vLLM capture engine shared by the splits of a build: its start-up (~15-25 s for SmolLM2 on CPU, more for a
+    large target) is paid once, not once per split. Closed by `build_caches`."""
 
     def __init__(self) -> None:
         self._engine = None
