@@ -63,6 +63,11 @@ def _forward(model, ids: torch.Tensor, cache):
     return out, cache
 
 
+def _draft_tap_reduction(proposer: Proposer) -> str:
+    """How the proposer's draft reduces a multi-stream target's taps (mean | concat); mean for any other proposer."""
+    return getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
+
+
 def _crop(cache, keep: int) -> None:
     """Drop cached positions >= keep (rejected drafts); negative crop = remove that many (transformers >= 5.18)."""
     extra = cache.get_seq_length() - keep
@@ -127,8 +132,7 @@ def generate_speculative(
     prompt = list(prompt_ids)
     stats = AcceptanceStats()
     proposer.reset()
-    if tap_reduction is None:
-        tap_reduction = getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
+    tap_reduction = tap_reduction or _draft_tap_reduction(proposer)
     _sync(device)
     t0 = time.perf_counter()
     with tap_hooks(model, taps, tap_reduction) as recorder:  # hooks on the tapped modules for this answer
@@ -242,8 +246,7 @@ def replay_speculative(
         raise ValueError("replay needs the target's greedy answer (at least one token)")
     stats = AcceptanceStats()
     proposer.reset()
-    if tap_reduction is None:
-        tap_reduction = getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
+    tap_reduction = tap_reduction or _draft_tap_reduction(proposer)
     _sync(device)
     t0 = time.perf_counter()
     with tap_hooks(model, taps, tap_reduction) as recorder:
