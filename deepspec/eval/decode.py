@@ -68,6 +68,24 @@ def _draft_tap_reduction(proposer: Proposer) -> str:
     return getattr(getattr(getattr(proposer, "draft", None), "arch", None), "tap_reduction", "mean")
 
 
+def _commit_round(stats: AcceptanceStats, accepted: list[int], num_proposed: int, target_token: int | None,
+                  eos_ids: set[int] | frozenset[int], room: int) -> tuple[list[int], bool]:
+    """Settle one verify round into `stats`; return the tokens it commits (at most `room`) and whether the answer ended.
+
+    An EOS among the accepted drafts ends the round there: the drafts after it were never really checked. Otherwise
+    the target's own token (a correction or the bonus) follows the accepted drafts."""
+    checked, stopped = num_proposed, False
+    for j, tok in enumerate(accepted):
+        if tok in eos_ids:
+            accepted, checked, stopped = accepted[: j + 1], j + 1, True
+            break
+    new = accepted
+    if not stopped:
+        new, stopped = accepted + [target_token], target_token in eos_ids
+    stats.add_round(checked, len(accepted), min(len(new), room))
+    return new[:room], stopped
+
+
 def _crop(cache, keep: int) -> None:
     """Drop cached positions >= keep (rejected drafts); negative crop = remove that many (transformers >= 5.18)."""
     extra = cache.get_seq_length() - keep
@@ -154,18 +172,7 @@ def generate_speculative(
             out, cache = _forward(model, verify_in, cache)
             verify_taps = recorder.stacked(device)[0]  # [1 + k, n_taps, W]: this forward's positions
             n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator)
-            accepted = drafts[:n].tolist()
-            checked = k
-            # stop inside the accepted drafts at the first EOS: drafts after it were never really checked
-            for j, tok in enumerate(accepted):
-                if tok in eos_ids:
-                    accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
-                    break
-            new = accepted if stopped else accepted + [emitted]
-            stopped = stopped or emitted in eos_ids
-            room = max_new_tokens - len(tokens)
-            stats.add_round(checked, n, min(len(new), room))
-            new = new[:room]
+            new, stopped = _commit_round(stats, drafts[:n].tolist(), k, emitted, eos_ids, max_new_tokens - len(tokens))
             tokens.extend(new)
             committed.extend(new)
             # keep the target cache for committed positions that it has processed (all but the newest token)
@@ -271,16 +278,9 @@ def replay_speculative(
         n = 0
         while n < min(k, len(ref)) and drafts[n] == ref[n]:
             n += 1
-        accepted, checked = drafts[:n], k
-        for j, tok in enumerate(accepted):  # an accepted EOS ends the answer; later drafts were never checked
-            if tok in eos_ids:
-                accepted, n, checked, stopped = accepted[: j + 1], j + 1, j + 1, True
-                break
-        new = accepted if stopped else accepted + [ref[n]]
-        stopped = stopped or new[-1] in eos_ids
-        room = max_new_tokens - len(tokens)
-        stats.add_round(checked, n, min(len(new), room))
-        new = new[:room]
+        # ref[n] is the target's own token after the accepted drafts; only an accepted EOS can leave none
+        new, stopped = _commit_round(stats, drafts[:n], k, ref[n] if n < len(ref) else None, eos_ids,
+                                     max_new_tokens - len(tokens))
         tokens.extend(new)
         committed.extend(new)
         new_taps = all_taps[seen : len(committed) - 1]

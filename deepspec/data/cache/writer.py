@@ -353,24 +353,21 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
 
 
 class CaptureSession:
-    """One vLLM capture engine shared by the splits of a build: its start-up (~15-25 s for SmolLM2 on CPU, more for a
-    large target) is paid once, not once per split. Closed by `build_caches`."""
+    """One vLLM capture engine shared by the splits of a build (same config, same taps): its start-up (~15-25 s for
+    SmolLM2 on CPU, more for a large target) is paid once, not once per split. Closed by `build_caches`."""
 
     def __init__(self) -> None:
         self._engine = None
-        self._key: tuple | None = None
 
-    def engine(self, key: tuple, make):
-        if self._engine is not None and self._key != key:
-            self.close()
+    def engine(self, make):
         if self._engine is None:
-            self._engine, self._key = make(), key
+            self._engine = make()
         return self._engine
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
-        self._engine, self._key = None, None
+        self._engine = None
 
 
 def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSession | None = None):
@@ -394,8 +391,7 @@ def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSess
             )
 
         if session is not None:
-            key = (cfg.target.name, tuple(taps), cfg.target.dtype, cfg.cache.max_length, repr(cfg.cache.vllm_kwargs))
-            return session.engine(key, make), (lambda: None)
+            return session.engine(make), (lambda: None)
         vf = make()
         return vf, vf.close
     if model is None:
