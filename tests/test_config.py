@@ -138,14 +138,42 @@ def test_resolved_config_round_trips(tmp_path):
     assert again.train.lr == 3e-4 and again.model.target_layer_ids == [1, 2]
 
 
-def test_run_name_records_overrides():
-    cfg = load_config(None, ["train.lr=3e-4", "model.block_size=5", "train.output_root=/tmp/x"])
-    assert cfg.run_name == "default__lr=3e-4__block_size=5"
-    assert load_config(None).run_name == "default"
-    # path-valued or long overrides get a hash, so two different runs never share a directory
-    a = load_config(None, ["target.name=/models/a/smollm2", "model.block_size=5"]).run_name
-    b = load_config(None, ["target.name=/models/b/smollm2", "model.block_size=5"]).run_name
+def test_run_name_is_the_experiment_not_the_overrides(tmp_path):
+    """Overrides do not rename a run (they are in its config.yaml); `run.name` does; a folder named the old way
+    (exp + overrides) is still found when it exists."""
+    cfg = load_config(None, ["train.lr=3e-4", "model.block_size=5", f"train.output_root={tmp_path}"])
+    assert cfg.run_name == "default" and cfg.run_dir == tmp_path / "deepspec" / "default"
+    assert cfg.legacy_run_name == "default__lr=3e-4__block_size=5"
+    named = load_config(None, ["run.name=lr-sweep-1", "train.lr=3e-4", f"train.output_root={tmp_path}"])
+    assert named.run_dir == tmp_path / "deepspec" / "lr-sweep-1"
+    # a run started by an earlier version under the override-named folder
+    (tmp_path / "deepspec" / cfg.legacy_run_name).mkdir(parents=True)
+    assert cfg.run_dir == tmp_path / "deepspec" / "default__lr=3e-4__block_size=5"
+    with pytest.raises(ConfigError, match="run.name"):
+        load_config(None, ["run.name=a/b"])
+    # path-valued or long overrides gave the old names a hash, so two different runs never shared a directory
+    a = load_config(None, ["target.name=/models/a/smollm2", "model.block_size=5"]).legacy_run_name
+    b = load_config(None, ["target.name=/models/b/smollm2", "model.block_size=5"]).legacy_run_name
     assert a != b and len(a) <= 112
+
+
+def test_quickstart_folder_is_the_same_with_or_without_native_bf16():
+    """scripts/quickstart.sh adds data.prompts.max_samples=212 on CPUs without bf16: the run folder stays eagle3."""
+    from pathlib import Path
+
+    recipe = Path(__file__).parents[1] / "config" / "quickstart" / "eagle3_blend.yaml"
+    plain, small = load_config(recipe), load_config(recipe, ["data.prompts.max_samples=212"])
+    assert plain.run_dir == small.run_dir == Path("checkpoints/quickstart-blend/eagle3")
+
+
+def test_settings_diff_names_what_changed():
+    from deepspec.config import config_to_dict
+    from deepspec.config.diff import settings_diff
+
+    a = config_to_dict(load_config(None, ["train.lr=3e-4"]))
+    b = config_to_dict(load_config(None, ["train.lr=1e-3", "train.num_workers=0", "eval.max_new_tokens=5", "run.name=x"]))
+    assert settings_diff(a, b) == ["train.lr: 0.0003 -> 0.001"]
+    assert settings_diff(a, a) == []
 
 
 def test_every_shipped_recipe_loads():
@@ -155,3 +183,31 @@ def test_every_shipped_recipe_loads():
     assert recipes, "no recipes under config/"
     for recipe in recipes:
         load_config(recipe)
+
+
+def test_gpu_recipes_pack_their_micro_batches():
+    """The Qwen3 GPU recipes pack several samples per micro-batch into rows of >= 8,192 tokens, and one node of
+    8 GPUs divides their global batch."""
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parents[1] / "config").glob("*/qwen3-*.yaml"))
+    assert len(recipes) >= 9
+    for recipe in recipes:
+        tc = load_config(recipe).train
+        assert tc.pack_tokens >= 8192 and tc.micro_batch_size > 1, recipe
+        assert tc.global_batch_size % (8 * tc.micro_batch_size) == 0, recipe
+
+
+def test_regeneration_concurrency_auto_follows_the_hardware():
+    from deepspec.config.data import CPU_CONCURRENCY_PER_SERVER, GPU_CONCURRENCY_PER_SERVER
+
+    rc = load_config(None).data.regenerate
+    assert rc.concurrency_per_server == "auto"
+    assert rc.resolved_concurrency(gpu=True) == GPU_CONCURRENCY_PER_SERVER >= 128
+    assert rc.resolved_concurrency(gpu=False) == CPU_CONCURRENCY_PER_SERVER == 32
+    set64 = load_config(None, ["data.regenerate.concurrency_per_server=64"]).data.regenerate
+    assert set64.concurrency_per_server == 64 and set64.resolved_concurrency(gpu=True) == 64
+    with pytest.raises(ConfigError, match="concurrency_per_server"):
+        load_config(None, ["data.regenerate.concurrency_per_server=0"])
+    with pytest.raises(ConfigError, match="concurrency_per_server"):
+        load_config(None, ["data.regenerate.concurrency_per_server=many"])

@@ -305,7 +305,7 @@ def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
     ref = _weights(reference / f"step_{STEPS}")
     ref_losses = _losses(reference)
     for parallel in ("ddp", "fsdp"):
-        cfg = _cfg(recipe, f"train.parallel={parallel}")
+        cfg = _cfg(recipe, f"train.parallel={parallel}", f"run.name={parallel}")
         out = launch(cfg, 2, env=_env())
         assert out == cfg.run_dir / f"step_{STEPS}"
         diff = _max_diff(ref, _weights(out))
@@ -317,6 +317,28 @@ def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
             assert (out / "optimizer_dcp").is_dir() and not (out / "optimizer.pt").exists()
         else:
             assert (out / "optimizer.pt").is_file()
+
+
+def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
+    """train.loader_processes=2: DataLoader worker processes read the cache (zero-copy views, shared-memory
+    batches) in the plan's order, so losses and weights equal the single-thread reference exactly."""
+    from deepspec.train import train
+    from deepspec.train.loader import ProcessLoader, build_loader
+
+    cfg = _cfg(recipe, "exp=procs", "train.loader_processes=2")
+    built: list = []
+
+    def spy(*args, **kwargs):
+        built.append(build_loader(*args, **kwargs))
+        return built[-1]
+
+    with _on_cpu(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("deepspec.train.loop.build_loader", spy)
+        out = train(cfg)
+    assert isinstance(built[0], ProcessLoader) and built[0].loader.num_workers == 2
+    assert out.name == f"step_{STEPS}"
+    assert _losses(cfg.run_dir) == _losses(reference)
+    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
 
 
 @pytest.mark.slow
@@ -459,7 +481,7 @@ def test_online_mode_trains_from_the_colocated_target(recipe):
     from deepspec.train import train
     from deepspec.train.checkpoint import load_trainer_state
 
-    cfg = _cfg(recipe, "cache.mode=online", "train.max_steps=2", "logging.wandb=false", f"cache.dir={recipe.parent / 'nothing'}")
+    cfg = _cfg(recipe, "run.name=online", "cache.mode=online", "train.max_steps=2", "logging.wandb=false", f"cache.dir={recipe.parent / 'nothing'}")
     out = train(cfg)
     assert out.name == "step_2" and load_trainer_state(out)["step"] == 2
     losses = _losses(cfg.run_dir)
@@ -495,7 +517,7 @@ def test_fsdp_trains_drafts_whose_layers_are_driven_by_methods(recipe, algorithm
             "logging.tensorboard=false")
     with _on_cpu():
         plain = train(_cfg(recipe, *opts))
-        sharded = train(_cfg(recipe, *opts, "train.parallel=fsdp"))
+        sharded = train(_cfg(recipe, *opts, "train.parallel=fsdp", f"run.name=fsdp-{algorithm}-sharded"))
     assert _losses(plain.parent) == pytest.approx(_losses(sharded.parent), abs=1e-6)
     assert _max_diff(_weights(plain), _weights(sharded)) < 1e-5
 

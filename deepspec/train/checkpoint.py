@@ -211,6 +211,35 @@ def save_checkpoint(
     return final
 
 
+def check_resume_settings(cfg, step_dir: Path) -> None:
+    """Resuming `step_dir` with settings other than those it was trained with: print the differences and stop,
+    unless `run.allow_changes` (a typo in --opts must not silently continue, or start, another experiment)."""
+    import yaml
+
+    from deepspec.config import config_to_dict
+    from deepspec.config.diff import settings_diff
+
+    saved_file = Path(step_dir) / "config.yaml"
+    if not saved_file.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_file.read_text()) or {}
+    except yaml.YAMLError:
+        log.warning("%s is not readable YAML; cannot compare this run's settings with it", saved_file)
+        return
+    diff = settings_diff(saved, config_to_dict(cfg))
+    if not diff:
+        return
+    listing = "; ".join(diff)
+    if cfg.run.allow_changes:
+        log.warning("resuming %s with changed settings (run.allow_changes=true): %s", step_dir, listing)
+        return
+    raise CheckpointError(
+        f"Run {step_dir.parent} was trained with other settings ({listing}); to resume it anyway pass "
+        f"--opts run.allow_changes=true, or start a new experiment with --opts run.name=<new name>."
+    )
+
+
 def load_trainer_state(step_dir: Path) -> dict[str, Any]:
     f = step_dir / TRAINER_STATE
     if not f.is_file():

@@ -125,17 +125,18 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     start_step, state = 0, None
     resume_dir = ckpt.latest_step_dir(run_dir) if tcfg.resume else None
     if resume_dir is not None:
+        ckpt.check_resume_settings(cfg, resume_dir)
         state = ckpt.load_trainer_state(resume_dir)
         if state.get("global_batch_size") != tcfg.global_batch_size:
             raise CheckpointError(
                 f"{resume_dir} was trained with train.global_batch_size={state.get('global_batch_size')}, this run uses "
-                f"{tcfg.global_batch_size}; keep the global batch to resume (the worker count may change) or set a new exp name."
+                f"{tcfg.global_batch_size}; keep the global batch to resume (the worker count may change) or start a new run with --opts run.name=<name>."
             )
         weights = ckpt.load_weights(resume_dir)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if k.split(".")[-1] not in ("target_embed", "target_lm_head")]
         if missing or unexpected:
-            raise CheckpointError(f"{resume_dir} does not fit this draft (missing {missing[:3]}, unexpected {unexpected[:3]}); use another run name.")
+            raise CheckpointError(f"{resume_dir} does not fit this draft (missing {missing[:3]}, unexpected {unexpected[:3]}); start a new run with --opts run.name=<name>.")
         start_step = int(state["step"])
         log.info("resuming from %s (step %d, saved by %d workers, now %d)", resume_dir, start_step, state.get("world_size", 1), info.world)
 
