@@ -113,6 +113,96 @@ def test_block_packed_equals_padded(algorithm, kw):
     _same(a, b)
 
 
+def _valid_anchor_counts(items):
+    """Per sample: positions a with loss_mask[a] & loss_mask[a+1] (the anchors a block draft may use)."""
+    return [int((it["loss_mask"][:-1] & it["loss_mask"][1:]).sum()) for it in items]
+
+
+def _anchors_by_sample(batch, anchors, keep, layout=None):
+    """{sample index: sorted in-sample anchor positions} from a padded (layout None) or packed batch."""
+    out = {}
+    for r in range(anchors.shape[0]):
+        for a in anchors[r][keep[r]].tolist():
+            if layout is None:
+                i, pos = r, a
+            else:
+                i, pos = layout[r][int(batch.segment_ids[r, a])], int(batch.position_ids[r, a])
+            out.setdefault(i, []).append(pos)
+    return {i: sorted(v) for i, v in out.items()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_block_anchors_per_sample_through_the_sampler(training):
+    """The real sampler gives every sample min(num_anchors, valid_i) anchors, packed or padded (a 200-token and a
+    10-token sample in one row: 8 and 6 here, not ~15 and ~1 as a per-row draw gives), and the same anchors in
+    both layouts under the same seed."""
+    lengths = [200, 10, 37, 8, 64, 3]
+    model, draft = _draft("dflash")
+    draft.model_cfg.num_anchors = 8
+    items = _samples(model, draft.taps, lengths)
+    want = [min(8, n) for n in _valid_anchor_counts(items)]
+    assert want == [8, 6, 8, 2, 8, 0]
+    padded = collate_features(items)
+    layout = pack_layout(lengths, 256)
+    packed = pack_batch(padded, pack_tokens=256)
+    assert any(len(row) > 1 for row in layout) and packed.input_ids.shape[0] == len(layout)
+    draft.train(training)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        got_packed = _anchors_by_sample(packed, *draft.sample_anchors(packed.loss_mask, packed.attention_mask, packed.segment_ids, packed.input_ids), layout)
+        torch.manual_seed(seed)
+        got_padded = _anchors_by_sample(padded, *draft.sample_anchors(padded.loss_mask, padded.attention_mask, None, padded.input_ids))
+        assert [len(got_packed.get(i, [])) for i in range(len(lengths))] == want
+        assert got_packed == got_padded
+        for i, pos in got_padded.items():  # each anchor and its next token are supervised tokens of the sample
+            assert all(bool(items[i]["loss_mask"][a]) and bool(items[i]["loss_mask"][a + 1]) for a in pos)
+    torch.manual_seed(0)
+    first = draft.sample_anchors(padded.loss_mask, padded.attention_mask, None, padded.input_ids)
+    torch.manual_seed(1)
+    second = draft.sample_anchors(padded.loss_mask, padded.attention_mask, None, padded.input_ids)
+    assert torch.equal(first[0], second[0]) != training  # fresh draws per step; validation's draw is fixed
+
+
+def test_block_anchor_draw_is_uniform_within_a_sample():
+    """Over many draws each valid position of a sample is an anchor about num_anchors / valid_i of the time."""
+    from deepspec.drafts.anchors import sample_anchors
+
+    n, k, draws = 120, 6, 1500
+    ids = torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(0))
+    lm = torch.ones(1, n, dtype=torch.bool)
+    hits = torch.zeros(n)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        a, keep = sample_anchors(lm, lm, k, None, ids)
+        assert int(keep.sum()) == k
+        hits[a[keep]] += 1
+    assert hits[-1] == 0  # the last token has no next token to predict
+    expect = draws * k / (n - 1)  # 75.6 per position, binomial sd ~8.5
+    assert float(hits[:-1].min()) > expect - 35 and float(hits[:-1].max()) < expect + 35
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+@pytest.mark.parametrize("kw", [{}, {"layer_types": ["sliding_attention"], "sliding_window": 4}])
+def test_block_packed_equals_padded_with_sampled_anchors(algorithm, kw):
+    """No injected anchors: draft.loss draws them itself, and the packed batch gives the padded batch's loss, metrics
+    (anchors per sample included) and gradients, in training and in validation."""
+    model, draft = _draft(algorithm, **kw)
+    items = _samples(model, draft.taps)
+    assert max(_valid_anchor_counts(items)) > draft.model_cfg.num_anchors  # the draw has a choice to make
+    padded = collate_features(items)
+    packed = pack_batch(padded, pack_tokens=24)
+    assert packed.input_ids.shape[0] < len(items)
+    for training in (True, False):
+        draft.train(training)
+        torch.manual_seed(7)
+        a = _run(draft, packed)
+        torch.manual_seed(7)
+        b = _run(draft, padded)
+        _same(a, b)
+        want = sum(min(draft.model_cfg.num_anchors, n) for n in _valid_anchor_counts(items)) / len(items)
+        assert float(b[1]["anchors"][0] / b[1]["anchors"][1]) == pytest.approx(want)
+
+
 def test_packed_anchors_stay_in_their_sample():
     model, draft = _draft("dflash")
     items = _samples(model, draft.taps)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.drafts.anchors import sample_anchors as draw_anchors
 from deepspec.drafts.attention import block_attention, dense_block_mask
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
@@ -169,30 +170,18 @@ class BlockDraft(TargetBackedDraft):
 
     # --- training ---------------------------------------------------------------------------------
     def sample_anchors(
-        self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, segment_ids: torch.Tensor | None = None
+        self,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to num_anchors anchors per sample among a with loss_mask[a] & loss_mask[a+1] (same sample);
-        returns (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep False).
+        """min(num_anchors, valid_i) anchors per sample i, packed or padded, among a with loss_mask[a] & loss_mask[a+1]
+        (same sample); returns (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep
+        False). With input_ids a sample draws the same anchors in a packed row as in a padded one (drafts/anchors.py).
         Outside training the draw comes from a fixed seed, so validation metrics are reproducible."""
-        b, t = loss_mask.shape
-        valid = torch.zeros_like(loss_mask, dtype=torch.bool)
-        valid[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
-        per_row = self.model_cfg.num_anchors
-        if segment_ids is not None:
-            valid[:, :-1] &= segment_ids[:, 1:] == segment_ids[:, :-1]
-            per_row *= int(segment_ids.max()) + 1  # num_anchors per packed sample (one host read per batch)
-        a = max(1, min(per_row, t))
-        if self.training:
-            score = torch.rand(b, t, device=loss_mask.device)
-        else:
-            gen = torch.Generator(device=loss_mask.device).manual_seed(self.VALIDATION_ANCHOR_SEED)
-            score = torch.rand(b, t, device=loss_mask.device, generator=gen)
-        score = score.masked_fill(~valid, -1.0)
-        top = score.topk(a, dim=1)
-        keep = top.values >= 0
-        anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
-        order = torch.where(keep, anchors, torch.full_like(anchors, t)).argsort(dim=1)
-        return anchors.gather(1, order), keep.gather(1, order)
+        seed = None if self.training else self.VALIDATION_ANCHOR_SEED
+        return draw_anchors(loss_mask, attention_mask, self.model_cfg.num_anchors, segment_ids, input_ids, seed)
 
     VALIDATION_ANCHOR_SEED = 1234
 
@@ -260,7 +249,7 @@ class BlockDraft(TargetBackedDraft):
         b, t = ids.shape
         dev = ids.device
         if anchors is None:
-            anchors, keep = self.sample_anchors(lm, am, batch.segment_ids)
+            anchors, keep = self.sample_anchors(lm, am, batch.segment_ids, ids)
         elif keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         na, p_n = anchors.shape[1], self.num_predictions
@@ -302,7 +291,8 @@ class BlockDraft(TargetBackedDraft):
             metrics["confidence_loss"] = ((rows_w * bce).sum().detach(), rows_w.sum())
             metrics["confidence_abs_error"] = (err.sum(), sel.sum().float())
         metrics.update(self._depth_metrics(alpha, top, eval_mask))
-        metrics["anchors"] = (keep.sum().float(), torch.tensor(float(b), device=dev))
+        samples = ((batch.positions() == 0) & am).sum().float()  # packed rows hold several samples
+        metrics["anchors"] = (keep.sum().float(), samples)  # anchors per sample
         metrics[LOSS_WEIGHT] = (rows_w.sum().detach(), torch.ones((), device=dev))
         return total, metrics
 
