@@ -43,13 +43,22 @@ class SamplingConfig:
     seed: int = 0
 
 
+# data.regenerate.concurrency_per_server=auto: requests in flight per GPU server / per CPU server.
+GPU_CONCURRENCY_PER_SERVER = 256
+CPU_CONCURRENCY_PER_SERVER = 32
+
+
 @dataclass
 class RegenerateConfig:
     # `auto` = vllm when importable, else hf.
     engine: Literal["auto", "vllm", "openai", "hf"] = "auto"
     urls: list[str] = field(default_factory=list)
     urls_file: str | None = None
-    concurrency_per_server: int = 32
+    # Requests in flight per server (openai engine). `auto`: 256 when this machine sees a CUDA GPU (an H100 serving
+    # an 8B target batches a few hundred sequences; 32 leaves it mostly idle), else 32 (what a CPU server keeps up
+    # with). The check is made where `deepspec data regenerate` runs, so set a number when the servers' hardware
+    # differs from the driver's.
+    concurrency_per_server: int | Literal["auto"] = "auto"
     timeout_s: float = 600.0
     max_retries: int = 4
     batch_size: int = 64
@@ -62,6 +71,22 @@ class RegenerateConfig:
     max_model_len: int | None = None
     # Served model name for the openai engine; null = the first model the server lists.
     model: str | None = None
+
+    def validate(self) -> None:
+        if self.concurrency_per_server != "auto" and self.concurrency_per_server < 1:
+            raise ConfigError(
+                f"data.regenerate.concurrency_per_server must be >= 1 or 'auto', got {self.concurrency_per_server}."
+            )
+
+    def resolved_concurrency(self, gpu: bool | None = None) -> int:
+        """Requests in flight per server: the number given, or for `auto` the GPU / CPU default (gpu=None: ask torch)."""
+        if self.concurrency_per_server != "auto":
+            return int(self.concurrency_per_server)
+        if gpu is None:
+            import torch
+
+            gpu = torch.cuda.is_available()
+        return GPU_CONCURRENCY_PER_SERVER if gpu else CPU_CONCURRENCY_PER_SERVER
 
 
 @dataclass

@@ -48,7 +48,7 @@ def create_engine(cfg, name: str, urls: list[str]) -> Engine:
     if name == "openai":
         from deepspec.data.engines.openai_engine import OpenAIEngine
 
-        return OpenAIEngine(urls, rc.sampling, kwargs, concurrency_per_server=rc.concurrency_per_server,
+        return OpenAIEngine(urls, rc.sampling, kwargs, concurrency_per_server=rc.resolved_concurrency(),
                             timeout_s=rc.timeout_s, max_retries=rc.max_retries, model=rc.model,
                             tokenizer=_local_tokenizer(cfg), max_model_len=rc.max_model_len)
     if name == "hf":
