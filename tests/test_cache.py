@@ -135,8 +135,9 @@ def test_bf16_batched_cache_matches_hf_rounded(bf16_cache, tiny_llama_dir):
         with torch.no_grad():
             hs = model.model(item["input_ids"][None], output_hidden_states=True).hidden_states
         ref = torch.stack([hs[k + 1][0] for k in ds.taps], 1).to(torch.bfloat16).float()
-        torch.testing.assert_close(item["taps"], ref, rtol=2 ** -7, atol=1e-5)
-        torch.testing.assert_close(item["final_hidden"], hs[-1][0].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
+        assert item["taps"].dtype == torch.bfloat16  # features stay in the cache dtype until the device
+        torch.testing.assert_close(item["taps"].float(), ref, rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(item["final_hidden"].float(), hs[-1][0].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
 
 
 def test_shard_records_are_written_by_length_and_indexed_in_plan_order(data_root, tiny_llama_dir, tmp_path):
@@ -306,9 +307,63 @@ def test_corrupt_shard_fails_checksum_with_sample_id(bf16_cache, tmp_path):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    ds = CacheDataset(d)
+    ds = CacheDataset(d, verify=True)
     with pytest.raises(CacheError, match=f"Sample '{ds.sample_id(2)}'.*checksum"):
         ds[2]
+    # training reads skip checksums (they cost as much as the copy); `deepspec data cache --verify` finds it
+    fast = CacheDataset(d)
+    fast[2]
+    assert fast.verify_all(progress_bar=False) == [fast.sample_id(2)]
+    assert CacheDataset(src).verify_all(progress_bar=False) == []
+
+
+def test_verify_cli_reports_corrupt_sample(bf16_cache, tmp_path, capsys, monkeypatch):
+    """`deepspec data cache CONFIG --verify`: one JSON line per split, exit status 1 naming the corrupt sample."""
+    from deepspec.data.cache import cli
+
+    cfg, src = bf16_cache
+    assert cli.verify(cfg, ["train"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    d = shutil.copytree(src, tmp_path / "c")
+    row = CacheDataset(d).index[1]
+    with open(d / fmt.shard_name(int(row["shard"])), "r+b") as f:
+        f.seek(int(row["offset"]) + int(row["nbytes"]) - 3)
+        f.write(b"\xff\x00\xff")
+    import deepspec.data.cache.writer as writer
+
+    monkeypatch.setattr(writer, "split_paths", lambda c, split: (None, d))  # the copy is the split's cache
+    assert cli.verify(cfg, ["train"]) == 1
+    line = json.loads(capsys.readouterr().out)
+    assert line["num_corrupt"] == 1 and line["corrupt"] == [CacheDataset(d).sample_id(1)]
+
+
+def test_items_are_zero_copy_views_in_the_cache_dtype(bf16_cache):
+    """A read copies no features: taps / final_hidden view the mapped shard in bf16, and collation keeps bf16
+    until DraftBatch.to widens on the device (exactly: bf16 -> fp32 is lossless)."""
+    from deepspec.data.cache.reader import widen
+    from deepspec.train.batches import collate_features
+
+    _, d = bf16_cache
+    ds = CacheDataset(d)
+    item = ds[3]
+    assert item["taps"].dtype == item["final_hidden"].dtype == torch.bfloat16
+    shard = ds._maps[int(ds.index[3]["shard"])][1]
+    base = np.frombuffer(shard, dtype=np.uint8).ctypes.data
+    ptr = item["taps"].untyped_storage().data_ptr()
+    assert base <= ptr < base + len(shard)  # the storage is the mapping itself
+    batch = collate_features([ds[3], ds[4]])
+    assert batch.taps.dtype == torch.bfloat16
+    # a sample outlives its shard's eviction from the LRU of open maps (the map stays until its views are freed)
+    small = CacheDataset(d, max_open_files=1)
+    kept = small[3]
+    before = kept["taps"].float().sum()
+    for j in range(len(small)):
+        small[j]
+    assert len(small._maps) == 1 and torch.equal(kept["taps"].float().sum(), before)
+    wide = batch.to("cpu", torch.float32)
+    assert wide.taps.dtype == torch.float32
+    n = len(item["input_ids"])
+    assert torch.equal(wide.taps[0, :n], widen(item)["taps"]) and torch.equal(wide.final_hidden[0, :n], item["final_hidden"].float())
 
 
 def test_incomplete_cache_is_refused(tmp_path):
@@ -366,8 +421,11 @@ def test_fp8_cache_close_to_bf16_cache(bf16_cache, data_root, tiny_llama_dir, tm
     d = build_cache(make_cfg(tmp_path, tiny_llama_dir, dtype="fp8"), "train")
     a, b = CacheDataset(bf_dir), CacheDataset(d)
     assert sum(p.stat().st_size for p in d.glob("shard_*.bin")) < 0.55 * sum(p.stat().st_size for p in bf_dir.glob("shard_*.bin"))
+    from deepspec.data.cache.reader import widen
+
+    assert b[0]["taps"].dtype == torch.float8_e4m3fn and b[0]["taps_scale"].shape == (*b[0]["taps"].shape[:2], 1)
     for i in range(0, len(a), 4):
-        x, y = a[i], b[i]
+        x, y = widen(a[i]), widen(b[i])
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
         rel = (y["taps"] - x["taps"]).norm() / x["taps"].norm()
         assert rel < 0.05
@@ -414,7 +472,7 @@ def test_online_features_equal_cache(bf16_cache, tiny_llama_dir):
     feats = OnlineFeatures(model, ds.taps)
     idx = [0, 5, 9, 12]
     on = feats([online[i] for i in idx])
-    off = collate([ds[i] for i in idx])
+    off = collate([ds[i] for i in idx]).to("cpu", torch.float32)  # widened as the trainer widens on its device
     assert torch.equal(on.input_ids, off.input_ids) and torch.equal(on.loss_mask, off.loss_mask)
     assert torch.equal(on.attention_mask, off.attention_mask)
     m = on.attention_mask

@@ -45,8 +45,11 @@ class TrainConfig:
     # `auto`: bf16 autocast on GPU, fp32 on CPU. `bf16_if_native`: bf16 also on CPUs with AVX512-BF16 / AMX.
     precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
     compile: bool = False
-    # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
+    # Micro-batches read + collated ahead while the current one trains (0 = inline, on CPU without processes).
     num_workers: int = 2
+    # DataLoader worker processes per rank (deepspec/train/loader.py). null / 0: the background thread, which reads
+    # the cache faster than processes do (benchmarks/bench_loader.py); > 0 for Python-bound datasets.
+    loader_processes: int | None = None
     seed: int = 0
     save_every: int = 500
     keep_last: int = 3
@@ -73,6 +76,8 @@ class TrainConfig:
             )
         if self.pack_tokens < 0:
             raise ConfigError(f"train.pack_tokens must be >= 0 (0 = no packing), got {self.pack_tokens}.")
+        if self.loader_processes is not None and self.loader_processes < 0:
+            raise ConfigError(f"train.loader_processes must be >= 0 or null (auto), got {self.loader_processes}.")
         if self.num_workers < 0:
             raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}.")
         if self.max_steps is not None and self.max_steps < 1:

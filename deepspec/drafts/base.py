@@ -44,6 +44,10 @@ class DraftBatch:
     final_hidden: torch.Tensor  # [B, T, H_target] float: target's final normed hidden state
     position_ids: torch.Tensor | None = None  # [B, T] int64, packed rows only
     segment_ids: torch.Tensor | None = None  # [B, T] int64, packed rows only (-1 = padding)
+    # fp8 caches: taps / final_hidden arrive as float8 with these per-row scales and are widened by
+    # `to(device, dtype)` on the device (bytes cross the bus in the cache's dtype); None otherwise.
+    taps_scale: torch.Tensor | None = None  # [B, T, n_taps, rows] float32
+    final_scale: torch.Tensor | None = None  # [B, T] float32
 
     def positions(self) -> torch.Tensor:
         """RoPE positions [B, T]: the packed ones, else 0..T-1 per row."""
@@ -60,22 +64,34 @@ class DraftBatch:
         return (s[:, shift:] == s[:, : s.shape[1] - shift]) & (s[:, shift:] >= 0)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DraftBatch":
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is None:
-                out[f.name] = None
-                continue
-            if dtype is not None and v.is_floating_point():
-                v = v.to(device=device, dtype=dtype, non_blocking=True)
-            else:
-                v = v.to(device=device, non_blocking=True)
-            out[f.name] = v
-        return DraftBatch(**out)
+        """Move to `device` in the stored dtypes (non-blocking from pinned memory), then, with `dtype`, widen the
+        features there (fp8 scales applied): conversion happens on the device, never on the host."""
+        moved = {f.name: None if (v := getattr(self, f.name)) is None else v.to(device=device, non_blocking=True) for f in fields(self)}
+        if dtype is None:
+            return DraftBatch(**moved)
+        moved["taps"] = dequantize(moved["taps"], moved.pop("taps_scale"), dtype)
+        moved["final_hidden"] = dequantize(moved["final_hidden"], moved.pop("final_scale"), dtype)
+        return DraftBatch(**moved)
+
+    def pin_memory(self) -> "DraftBatch":
+        """Page-locked copy (DataLoader's pin thread calls this)."""
+        return DraftBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() for f in fields(self)})
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Features in `dtype`: a cast, or for fp8 x * scale with one scale per row of H (x [..., rows * H],
+    scale [..., rows] — concatenated multi-stream taps carry one scale per stream)."""
+    if scale is None:
+        return x.to(dtype)
+    rows = scale.shape[-1] if scale.dim() == x.dim() else 1
+    if scale.dim() < x.dim():
+        scale = scale.unsqueeze(-1)
+    y = x.to(dtype).unflatten(-1, (rows, x.shape[-1] // rows)) * scale.to(dtype).unsqueeze(-1)
+    return y.flatten(-2)
 
 
 # Metrics are (numerator, denominator) pairs so ranks reduce them token-weighted:

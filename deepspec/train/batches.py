@@ -14,6 +14,7 @@ count (the samples of a step and the token-weighted gradient do not); with micro
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ import torch
 
 from deepspec.drafts.base import DraftBatch
 from deepspec.errors import ConfigError
+from deepspec.train.buffers import POOL
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,34 @@ class Prefetcher:
             self.pool = None
 
 
-def collate_features(items: list[dict[str, Any]]) -> DraftBatch:
-    """Right-pad cache samples ({input_ids, loss_mask, taps, final_hidden}) into a DraftBatch."""
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Uninitialised host memory for a batch tensor: page-locked when it will be copied to a GPU (torch's host
+    allocator recycles those blocks), shared when collated in a DataLoader worker process (handing it to the
+    trainer process copies nothing), else a recycled buffer (deepspec/train/buffers.py: fresh pages cost more
+    than the copy)."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        numel = math.prod(shape)
+        storage = torch.UntypedStorage._new_shared(max(1, numel) * dtype.itemsize)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return POOL.empty(shape, dtype)
+
+
+def collate_features(items: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int = 1, pin: bool = False) -> DraftBatch:
+    """Right-pad samples ({input_ids, loss_mask, taps, final_hidden}, optional fp8 scales) into a DraftBatch.
+
+    Features keep their dtype (the cache's: bf16 / fp8 / fp32) and are copied once, straight into the batch
+    tensor; only the padding is zero-filled. `pin` allocates page-locked memory for an async copy to the GPU."""
     T = max(int(it["input_ids"].shape[0]) for it in items)
+    T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
     B = len(items)
     first = items[0]
-    taps = torch.zeros(B, T, *first["taps"].shape[1:], dtype=first["taps"].dtype)
-    final = torch.zeros(B, T, first["final_hidden"].shape[-1], dtype=first["final_hidden"].dtype)
-    ids = torch.zeros(B, T, dtype=torch.long)
+    keys = ["taps", "final_hidden"] + [k for k in ("taps_scale", "final_scale") if first.get(k) is not None]
+    out = {k: _empty((B, T, *first[k].shape[1:]), first[k].dtype, pin) for k in keys}
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     lm = torch.zeros(B, T, dtype=torch.bool)
     am = torch.zeros(B, T, dtype=torch.bool)
     for b, it in enumerate(items):
@@ -134,9 +156,13 @@ def collate_features(items: list[dict[str, Any]]) -> DraftBatch:
         ids[b, :n] = torch.as_tensor(it["input_ids"])
         lm[b, :n] = torch.as_tensor(it["loss_mask"]).bool()
         am[b, :n] = True
-        taps[b, :n] = it["taps"]
-        final[b, :n] = it["final_hidden"]
-    return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final)
+        for k in keys:  # Tensor.copy_ releases the GIL: the trainer's thread keeps launching work meanwhile
+            out[k][b, :n].copy_(it[k])
+            if n < T:
+                out[k][b, n:].zero_()
+    if pin:
+        ids, lm, am = ids.pin_memory(), lm.pin_memory(), am.pin_memory()
+    return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, **out)
 
 
 def supervise_all_tokens(collate):
@@ -147,9 +173,10 @@ def supervise_all_tokens(collate):
     third of the quickstart's tokens) as distillation signal at no extra target cost. Validation keeps
     the assistant-only mask: answers are what a draft is served on."""
 
-    def wrapped(items: list[Any]) -> DraftBatch:
-        batch = collate(items)
-        return dataclasses.replace(batch, loss_mask=batch.attention_mask.clone())
+    def wrapped(items: list[Any], **kwargs: Any) -> DraftBatch:
+        batch = collate(items, **kwargs)
+        every = batch.attention_mask.clone()
+        return dataclasses.replace(batch, loss_mask=every.pin_memory() if kwargs.get("pin") else every)
 
     return wrapped
 
@@ -189,23 +216,24 @@ def pack_batch(batch: DraftBatch, pack_tokens: int) -> DraftBatch:
     width = max(sum(lengths[i] for i in row) for row in layout)
     rows_n = len(layout)
 
-    def empty(x: torch.Tensor, fill: int | bool = 0) -> torch.Tensor:
-        return torch.full((rows_n, width, *x.shape[2:]), fill, dtype=x.dtype)
+    def empty(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((rows_n, width, *x.shape[2:]), dtype=x.dtype)
 
-    ids, lm, am = empty(batch.input_ids), empty(batch.loss_mask, False), empty(batch.attention_mask, False)
-    taps, final = empty(batch.taps), empty(batch.final_hidden)
+    names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
+    names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]
+    out = {k: empty(getattr(batch, k)) for k in names}
     pos = torch.zeros(rows_n, width, dtype=torch.long)
     seg = torch.full((rows_n, width), -1, dtype=torch.long)
     for r, row in enumerate(layout):
         at = 0
         for j, i in enumerate(row):
             n = lengths[i]
-            for dst, src in ((ids, batch.input_ids), (lm, batch.loss_mask), (am, batch.attention_mask), (taps, batch.taps), (final, batch.final_hidden)):
-                dst[r, at : at + n] = src[i, :n]
+            for k in names:
+                out[k][r, at : at + n] = getattr(batch, k)[i, :n]
             pos[r, at : at + n] = torch.arange(n)
             seg[r, at : at + n] = j
             at += n
-    return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final, position_ids=pos, segment_ids=seg)
+    return DraftBatch(**out, position_ids=pos, segment_ids=seg)
 
 
 def packing(collate, pack_tokens: int):

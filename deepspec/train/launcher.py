@@ -26,12 +26,11 @@ def torchrun_command(config_path: str | Path, nproc: int, opts: Sequence[str] = 
 
 def cpu_threads_per_worker(nproc: int) -> int:
     """torch threads for each of `nproc` workers on this node. torchrun would pin every worker to one
-    thread; CPU workers share the usable cores instead (on GPU one thread each is enough)."""
-    import torch
-
+    thread; workers share the usable cores instead — on GPU nodes too, where a rank's host-side copies
+    (pinning, collation) and its loader processes need more than one core."""
     from deepspec.cpus import threads_per_worker
 
-    return 1 if torch.cuda.is_available() else threads_per_worker(nproc)
+    return threads_per_worker(nproc)
 
 
 def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Path:

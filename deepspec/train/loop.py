@@ -37,12 +37,13 @@ from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
-from deepspec.train.batches import BatchPlan, Prefetcher, collate_fn, packing, sample_lengths, supervise_all_tokens
+from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
 from deepspec.train.parallel import full_trainable_state, unwrap, wrap
-from deepspec.train.staging import DeviceStager, pin_batch
+from deepspec.train.loader import build_loader, resolve_processes
+from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
 
 log = get_logger(__name__)
@@ -118,8 +119,6 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     if tcfg.loss_tokens == "all":
         collate = supervise_all_tokens(collate)
     collate = packing(collate, tcfg.pack_tokens)  # train.pack_tokens > 0: several samples per row
-    if info.device.type == "cuda":
-        collate = pin_batch(collate)  # in the loader thread, so the copy to the GPU is an async DMA
 
     # ---------------------------------------------------------------- resume (weights before wrapping)
     start_step, state = 0, None
@@ -196,8 +195,10 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     schedule = (
         (s, m, idx) for s in range(start_step, total_steps) for m, idx in enumerate(plan.micro_batches(s, info.rank, lengths))
     )
-    loader = Prefetcher(parts.train_data, collate, schedule, tcfg.num_workers)
-    staged = DeviceStager(loader, info.device, torch.float32)
+    processes = resolve_processes(tcfg.loader_processes, info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parts.train_data)
+    loader = build_loader(parts.train_data, collate, schedule, depth=tcfg.num_workers, processes=processes,
+                          pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0)
+    staged = DeviceStager(loader, info.device, torch.float32)  # features cross in the cache dtype, widened there
     n_micro = plan.accum_steps
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     try:

@@ -1,8 +1,9 @@
 """Moving the next micro-batch to the accelerator while the current one trains.
 
-The Prefetcher's thread reads and collates ahead on the host; on CUDA it also pins the collated
-tensors (`pin_batch`), so the copy to the GPU is a DMA that runs on a side stream, one batch ahead,
-overlapping the current micro-batch's compute. The training stream waits for that copy with an event
+The loader (deepspec/train/loader.py) reads and collates ahead on the host; on CUDA its batches are
+page-locked, so the copy to the GPU is a DMA that runs on a side stream, one batch ahead, overlapping the
+current micro-batch's compute. Features cross in the cache's dtype (bf16 / fp8) and are widened to the
+training dtype on the device (`DraftBatch.to`). The training stream waits for that copy with an event
 (no host sync) and the staged tensors are marked as used on it, so the allocator does not hand their
 memory back to the side stream early (pinned host blocks are likewise kept until their copy is done by
 torch's host allocator). On a CPU a batch is only cast, as before.
@@ -14,27 +15,13 @@ transfer, so the loop needs no device-to-host sync per micro-batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
     return [v for f in dataclasses.fields(batch) if isinstance(v := getattr(batch, f.name), torch.Tensor)]
-
-
-def pin_batch(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-    """Wrap a collate function so that its batch comes back in page-locked host memory (runs in the loader thread)."""
-
-    def pinned(items: list[Any]) -> Any:
-        batch = collate(items)
-        out = {}
-        for f in dataclasses.fields(batch):
-            v = getattr(batch, f.name)
-            out[f.name] = v.pin_memory() if isinstance(v, torch.Tensor) else v
-        return dataclasses.replace(batch, **out)
-
-    return pinned
 
 
 class DeviceStager:

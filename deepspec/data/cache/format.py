@@ -120,6 +120,36 @@ def quantize_fp8(x):
     return q, scale
 
 
+# Storage dtype of the features section, as torch names it.
+def torch_dtype(dtype: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}[dtype]
+
+
+def record_views(buf, offset: int, length: int, n_layers: int, hidden: int, dtype: str):
+    """Zero-copy tensors over one record of a mapped shard: (input_ids int32 [T], loss_mask uint8 [T],
+    features [T, L, H] in the storage dtype, fp8 scales float32 [T, L] or None).
+
+    The tensors share `buf`'s memory (a writable mapping: torch refuses read-only buffers without a warning),
+    so reading a sample costs no copy; the one copy of its features is the collate into the batch.
+    """
+    import torch
+
+    layout = record_layout(length, n_layers, hidden, dtype)
+
+    def view(name: str, tdtype, shape: tuple[int, ...]):
+        off, size = layout[name]
+        n = size // tdtype.itemsize
+        if n == 0:
+            return torch.empty(shape, dtype=tdtype)
+        return torch.frombuffer(buf, dtype=tdtype, count=n, offset=offset + off).view(shape)
+
+    feats = view("features", torch_dtype(dtype), (length, n_layers, hidden))
+    scales = view("scales", torch.float32, (length, n_layers)) if dtype == "fp8" else None
+    return view("input_ids", torch.int32, (length,)), view("loss_mask", torch.uint8, (length,)), feats, scales
+
+
 def decode_record(buf, length: int, n_layers: int, hidden: int, dtype: str):
     """Bytes of one record -> (input_ids int64 [T], loss_mask bool [T], features float32 [T, L, H])."""
     import torch

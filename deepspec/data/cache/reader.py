@@ -1,10 +1,15 @@
 """Reading a cache: a torch Dataset over mmap'd shards, and collation into a DraftBatch.
 
-Shards are opened lazily as read-only memory maps, at most `max_open_files` at a time (LRU), so
-a cache with thousands of shards never exhausts file handles. Open maps are dropped when the
-dataset is pickled, so it can be handed to DataLoader workers, each of which re-opens its own.
-Every read checks the record's size and (by default) crc32 against the index: a truncated or
-corrupt shard is reported with the sample id instead of being decoded as garbage.
+Shards are opened lazily as memory maps, at most `max_open_files` at a time (LRU), so a cache with
+thousands of shards never exhausts file handles. Open maps are dropped when the dataset is pickled, so
+it can be handed to DataLoader worker processes, each of which re-opens its own.
+
+A sample is read without copying: its tensors are views of the mapped shard in the cache's own dtype
+(bf16, fp8 + scales, fp32), and the only copy of its features is the collate into the batch (pinned or
+shared memory), so bytes move once from the page cache to the GPU, where they are widened. Every read
+checks the record's bounds; crc32 checksums are verified when a cache is built and by
+`deepspec data cache --verify` (or `CacheDataset(verify=True)`), not on every read: at the users'
+scale (200 MB per 4k-token Qwen3-8B sample) a checksum per read costs as much as the copy.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from deepspec.errors import CacheError
 class CacheDataset:
     """Samples of a complete cache: dicts {input_ids, loss_mask, taps, final_hidden} (see `__getitem__`)."""
 
-    def __init__(self, directory: str | Path, *, verify: bool = True, max_open_files: int = 16):
+    # Reads are plain file maps: the trainer may read ahead in worker processes (deepspec/train/loader.py).
+    supports_worker_processes = True
+
+    def __init__(self, directory: str | Path, *, verify: bool = False, max_open_files: int = 16):
         self.directory = Path(directory)
         self.manifest = fmt.load_manifest(self.directory)
         self.index = np.load(self.directory / fmt.INDEX)
@@ -71,33 +79,31 @@ class CacheDataset:
 
         return torch.from_numpy(np.load(self.directory / fmt.TOKEN_COUNTS))
 
-    def _shard(self, s: int) -> mmap.mmap:
+    def _shard(self, s: int) -> mmap.mmap | bytes:
         if s in self._maps:
             self._maps.move_to_end(s)
             return self._maps[s][1]
         while len(self._maps) >= self.max_open_files:
             _, (f, m) = self._maps.popitem(last=False)
-            m.close()
-            f.close()
+            _release(f, m)
         path = self.directory / fmt.shard_name(s)
         try:
             f = open(path, "rb")
         except OSError as e:
             raise CacheError(f"Cannot open shard {path} ({e}); the cache is incomplete — rebuild it with --overwrite.") from None
         size = path.stat().st_size
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        # ACCESS_COPY: a private mapping, writable to torch (no copy is made unless a page is written; nothing writes)
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
         self._maps[s] = (f, m)
         return m
 
     def close(self) -> None:
         while self._maps:
             _, (f, m) = self._maps.popitem()
-            if hasattr(m, "close"):
-                m.close()
-            f.close()
+            _release(f, m)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        """input_ids [T] int64, loss_mask [T] bool, taps [T, n_taps, W] float32 (W = tap_width), final_hidden [T, H] float32."""
+    def _record(self, i: int) -> tuple[Any, int, int, int]:
+        """(mapped shard, byte offset, bytes, tokens) of sample i, bounds-checked."""
         row = self.index[i]
         s, off, nbytes, length = int(row["shard"]), int(row["offset"]), int(row["nbytes"]), int(row["length"])
         m = self._shard(s)
@@ -106,44 +112,86 @@ class CacheDataset:
                 f"Sample {self.sample_id(i)!r} lies past the end of {fmt.shard_name(s)} ({len(m)} bytes, needs {off + nbytes}): "
                 "the shard is truncated. Rebuild the cache with --overwrite."
             )
-        buf = m[off : off + nbytes]
-        if self.verify and zlib.crc32(buf) != int(row["crc32"]):
+        return m, off, nbytes, length
+
+    def check(self, i: int) -> None:
+        """Verify sample i's crc32 against the index (raises CacheError naming the sample)."""
+        m, off, nbytes, _ = self._record(i)
+        with memoryview(m) as view:
+            ok = zlib.crc32(view[off : off + nbytes]) == int(self.index[i]["crc32"])
+        if not ok:
             raise CacheError(
-                f"Sample {self.sample_id(i)!r} in {fmt.shard_name(s)} fails its checksum: the shard is corrupt. "
-                "Rebuild the cache with --overwrite."
+                f"Sample {self.sample_id(i)!r} in {fmt.shard_name(int(self.index[i]['shard']))} fails its checksum: "
+                "the shard is corrupt. Rebuild the cache with --overwrite."
             )
-        ids, mask, feats = fmt.decode_record(buf, length, self._n_layers, self.hidden_size, self.dtype)
+
+    def verify_all(self, progress_bar: bool = True) -> list[str]:
+        """Check every sample's bounds and crc32; returns the ids of the bad ones (empty = the cache is intact)."""
+        from deepspec.log import progress
+
+        bad: list[str] = []
+        quiet = {} if progress_bar else {"disable": True}
+        with progress(total=len(self), desc=f"verify {self.directory.name}", unit="sample", **quiet) as bar:
+            for i in range(len(self)):
+                try:
+                    self.check(i)
+                except CacheError:
+                    bad.append(self.sample_id(i))
+                bar.update(1)
+        return bad
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """input_ids [T] int64, loss_mask [T] bool, taps [T, n_taps, W] (W = tap_width), final_hidden [T, H].
+
+        taps / final_hidden are zero-copy views in the cache's dtype (bf16, fp32, or fp8 with per-row
+        scales `taps_scale` [T, n_taps, rows] and `final_scale` [T]); `DraftBatch.to(device, dtype)`
+        widens them where the batch is used. `widen(item)` gives float32 copies for inspection."""
+        import torch
+
+        m, off, nbytes, length = self._record(i)
+        if self.verify:
+            self.check(i)
+        ids, mask, feats, scales = fmt.record_views(m, off, length, self._n_layers, self.hidden_size, self.dtype)
         n = len(self.taps) * self._rows
-        taps = feats[:, :n].reshape(length, len(self.taps), self.tap_width)
-        return {"input_ids": ids, "loss_mask": mask, "taps": taps, "final_hidden": feats[:, n]}
+        item = {
+            "input_ids": ids.to(torch.int64),
+            "loss_mask": mask.to(torch.bool),
+            "taps": feats[:, :n].reshape(length, len(self.taps), self.tap_width),
+            "final_hidden": feats[:, n],
+        }
+        if scales is not None:
+            item["taps_scale"] = scales[:, :n].reshape(length, len(self.taps), self._rows)
+            item["final_scale"] = scales[:, n]
+        return item
+
+
+def _release(f, m) -> None:
+    """Forget a shard's map without unmapping it: tensors of samples read from it keep a reference to the map
+    (torch.frombuffer) but no buffer export, so closing it here would leave them pointing at unmapped memory.
+    The map is unmapped when its last tensor is freed."""
+    f.close()
+
+
+def widen(item: dict[str, Any], dtype=None) -> dict[str, Any]:
+    """A sample with float features (fp8 scales applied), float32 by default: for inspection and tests."""
+    import torch
+
+    from deepspec.drafts.base import dequantize
+
+    dtype = dtype or torch.float32
+    out = {k: v for k, v in item.items() if not k.endswith("_scale")}
+    out["taps"] = dequantize(item["taps"], item.get("taps_scale"), dtype)
+    out["final_hidden"] = dequantize(item["final_hidden"], item.get("final_scale"), dtype)
+    return out
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int = 1):
     """Right-pad samples into a DraftBatch (attention_mask marks real tokens; padding is never in loss_mask)."""
-    import torch
-
-    from deepspec.drafts.base import DraftBatch
+    from deepspec.train.batches import collate_features
 
     if not samples:
         raise CacheError("collate() got an empty list of samples.")
-    B = len(samples)
-    T = max(len(s["input_ids"]) for s in samples)
-    T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
-    n_taps, W = samples[0]["taps"].shape[1:]
-    H = samples[0]["final_hidden"].shape[-1]
-    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    loss = torch.zeros(B, T, dtype=torch.bool)
-    att = torch.zeros(B, T, dtype=torch.bool)
-    taps = torch.zeros(B, T, n_taps, W, dtype=samples[0]["taps"].dtype)
-    final = torch.zeros(B, T, H, dtype=samples[0]["final_hidden"].dtype)
-    for b, s in enumerate(samples):
-        t = len(s["input_ids"])
-        ids[b, :t] = s["input_ids"]
-        loss[b, :t] = s["loss_mask"]
-        att[b, :t] = True
-        taps[b, :t] = s["taps"]
-        final[b, :t] = s["final_hidden"]
-    return DraftBatch(input_ids=ids, loss_mask=loss, attention_mask=att, taps=taps, final_hidden=final)
+    return collate_features(list(samples), pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
 
 
 def expected_provenance(cfg, target=None) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""Feeding the trainer: the plan's micro-batches read and collated ahead, in order, in threads or worker processes.
+
+The order of micro-batches is the BatchPlan's (a pure function of seed and step), so resuming stays exact
+whichever loader runs. Two loaders behind one iterator of (step, micro index, batch):
+
+* `Prefetcher` (deepspec/train/batches.py): one background thread, `depth` batches ahead, the default. A sample
+  is read as zero-copy views of the mapped cache and copied once into the batch — page-locked on CUDA (torch's
+  host allocator recycles those blocks), a recycled buffer elsewhere — by torch copies that release the GIL.
+  Datasets that cannot leave this process (online features from a target held here) always use it.
+* `ProcessLoader` (`train.loader_processes` > 0): DataLoader worker processes collating into shared memory,
+  pinned in the trainer process on CUDA, for datasets whose per-sample work is Python-bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from deepspec.drafts.base import DraftBatch
+from deepspec.train.batches import Prefetcher
+
+Schedule = Iterable[tuple[int, int, list[int]]]
+
+def resolve_processes(requested: int | None, device: torch.device, local_world: int, dataset: Any) -> int:
+    """Loader processes for one rank: `requested` when set (>= 0), else none.
+
+    For the cache, the thread is the faster loader (benchmarks/bench_loader.py, Qwen3-8B shape, 4k tokens, 2-core
+    CPU: one thread ~10 GB/s into recycled buffers, two worker processes ~1.6 GB/s): a sample costs one copy
+    that releases the GIL, while a worker must fill fresh shared memory for every batch. Processes pay off for
+    datasets whose per-sample work is Python-bound; `local_world` and `device` are kept for such policies."""
+    if not getattr(dataset, "supports_worker_processes", False):
+        return 0
+    return requested if requested is not None and requested >= 0 else 0
+
+
+class _PlanSampler:
+    """DataLoader batch sampler over the plan: yields each micro-batch's sample indices and remembers its
+    (step, micro index), which the loader pairs with the batch that comes back (DataLoader keeps order)."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.labels: deque[tuple[int, int]] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step, m, indices in self.schedule:
+            self.labels.append((step, m))
+            yield list(indices)
+
+
+def _worker_init(_: int) -> None:
+    # each worker copies one batch at a time; parallelism comes from the number of workers
+    torch.set_num_threads(1)
+
+
+class ProcessLoader:
+    """Iterates (step, micro index, batch) from `processes` DataLoader workers, `depth` batches in flight."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], DraftBatch], schedule: Schedule, *,
+                 processes: int, depth: int, pin: bool):
+        from torch.utils.data import DataLoader
+
+        self.sampler = _PlanSampler(schedule)
+        self.loader = DataLoader(
+            dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=processes, pin_memory=pin,
+            prefetch_factor=max(1, math.ceil(max(depth, processes) / processes)), worker_init_fn=_worker_init,
+        )
+        self._it = iter(self.loader)
+
+    def __iter__(self) -> "ProcessLoader":
+        return self
+
+    def __next__(self) -> tuple[int, int, DraftBatch]:
+        batch = next(self._it)
+        step, m = self.sampler.labels.popleft()
+        return step, m, batch
+
+    def close(self) -> None:
+        it, self._it = self._it, iter(())
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def build_loader(dataset: Any, collate: Callable[..., DraftBatch], schedule: Schedule, *, depth: int,
+                 processes: int, pin: bool, packed: bool = False) -> Prefetcher | ProcessLoader:
+    """The loader for one rank. `collate(items, pin=...)` builds a batch; with `pin` (a CUDA device) it is
+    page-locked once — by the collate itself in a thread, by DataLoader's pin thread after worker processes."""
+    if processes > 0:
+        return ProcessLoader(dataset, collate, schedule, processes=processes, depth=depth, pin=pin)
+    if pin:
+        collate = _pinned(collate, packed)
+    return Prefetcher(dataset, collate, schedule, depth)
+
+
+def _pinned(collate: Callable[..., DraftBatch], packed: bool) -> Callable[[list[Any]], DraftBatch]:
+    """Collate into page-locked memory directly when the collate can (one copy); a packed batch is rebuilt
+    after collation, and a dataset's own collate may not take `pin`: then pin its result."""
+    import inspect
+
+    params = inspect.signature(collate).parameters
+    if not packed and ("pin" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())):
+        return lambda items: collate(items, pin=True)
+    return lambda items: collate(items).pin_memory()
