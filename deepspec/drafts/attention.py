@@ -1,26 +1,42 @@
-"""Draft attention without dense masks: memory linear in the sequence length.
+"""Draft attention without dense masks, every call on a fused kernel: memory linear in the sequence length.
 
 Two patterns cover every draft:
 
-* EAGLE-3's TTT chain (`chain_attention`): at step k a query row r sees the step-0 keys of rows <= r
-  (causal) plus its own keys from steps 1..k (a diagonal). The causal part is one flash SDPA call
-  (`is_causal`, no mask); the diagonal is k dot products per row. They are merged exactly with the
-  diagonal's log-sum-exp through a *sentinel* key: every query gets one extra dimension holding the
-  diagonal's LSE, a sentinel key (zero except 1/scale there) scores exactly that LSE, and its value
-  (zero except a 1 in an extra channel) returns the diagonal's share Z_d / (Z_c + Z_d) of the softmax.
-  So out = causal_part + share * diagonal_output, and autograd flows through the ordinary SDPA backward.
-* Block drafts (`block_attention`): each block's K queries see context keys in [segment start, anchor)
-  plus their own block bidirectionally. The own-block part is a small [A, K, K] attention; the context
-  part runs over chunks of blocks (a bounded [G*K, S] mask per chunk), merged by the same sentinel.
+* EAGLE-3's TTT chain (`chain_attention`): at step k a query row r sees the step-0 keys of rows <= r (causal) plus
+  its own keys from steps 1..k (a diagonal).
+* Block drafts (`block_attention`): each block's K queries see context keys in [segment start, anchor) plus their
+  own block bidirectionally.
 
-Packed rows (several samples per row, `segment_ids`) and sliding-window layers (key allowed iff
-q_pos - k_pos < window, HF/vLLM semantics) are honoured by both. The dense-mask functions at the end
-are the reference the tests compare against; training never calls them.
+The small part (the diagonal: k keys per row; the own block: K keys per block) is computed eagerly in fp32. The
+large part (causal / context keys) is one SDPA call per sample or per chunk of queries, and the two are merged
+*inside* that call, exactly: SDPA returns no log-sum-exp to merge with afterwards, so a sentinel key whose score is the
+small part's log-sum-exp, and whose value marks an extra output channel, joins the call; the kernel's fp32 softmax
+then gives the large part its exact normalisation and the small part its share Z_small / (Z_large + Z_small), and
+out = large + share * small (added in fp32).
+
+What each call is, so that CUDA runs it on a fused kernel (tests/test_attention_kernels.py checks every call of a
+training step against PyTorch's CUDA rules):
+
+* Head dims stay multiples of 8: the sentinel takes `_EXTRA` = 8 extra channels, not 1. Its score lse / scale rides
+  on three of them as hi + mid + lo, each exact in the compute dtype, against key channels of 1: every kernel sums
+  exact bf16 products in fp32, so the score is the fp32 log-sum-exp, not a bf16-rounded one (which put the merge off
+  by up to ±5%).
+* Unwindowed causal parts (EAGLE-3 step 0, the chain's causal part): one `is_causal` call per sample, no mask,
+  `enable_gqa` -> the flash kernel. A zero query row in front lets every row see the sentinel key at index 0.
+* Windowed parts and the block drafts' context: query chunks over a bounded key range with an additive mask in the
+  compute dtype -> the memory-efficient kernel. Its GQA support is recent, so grouped query heads are folded into the
+  query axis ([B, kv_heads, group * L, D]) instead of copying keys. Key ranges are views of one key tensor that holds
+  a sentinel slot before every `_SPAN` keys (the mask shows the range's first one), so chunks copy no keys.
+
+Packed rows (several samples per row, `segment_ids`) and sliding-window layers (key allowed iff q_pos - k_pos <
+window, HF/vLLM semantics) are honoured by both. On CPU the same calls run on PyTorch's CPU flash kernel, exact in
+fp32 (the golden tests compare them with the dense-mask references at the end, which training never calls).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +44,13 @@ import torch.nn.functional as F
 # (row, start, end): one contiguous sample of a batch row; row None = every row (unpacked layout)
 Range = tuple[int | None, int, int]
 
-# elements of one block-attention chunk's mask ([G*K, S]): bounds the context part's working memory
-_BLOCK_CHUNK_ELEMENTS = 1 << 22
-# query rows per chunk of a sliding-window causal pass
+# extra q/k/v channels of a sentinel call: a multiple of 8, so head dims stay eligible for the fused kernels
+_EXTRA = 8
+# real keys between two sentinel slots of a chunked key tensor (bounds the keys a chunk reads before its range)
+_SPAN = 256
+# mask elements of one chunk call ([B, group * queries, keys]): bounds a chunk's working memory (16 MiB in bf16)
+_CHUNK_ELEMENTS = 1 << 23
+# query rows per chunk of a sliding-window pass
 _WINDOW_CHUNK = 512
 
 
@@ -51,56 +71,140 @@ def sample_ranges(segment_ids: torch.Tensor | None, batch: int, length: int) -> 
     return out
 
 
-def _with_extra(x: torch.Tensor, extra: torch.Tensor | float) -> torch.Tensor:
-    """Append one channel to the last dimension."""
-    if not torch.is_tensor(extra):
-        extra = x.new_full(x.shape[:-1], float(extra))
-    return torch.cat([x, extra.unsqueeze(-1).to(x.dtype)], dim=-1)
-
-
-def _sentinel(k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sentinel key/value [B, hk, 1, D] for keys already carrying the extra channel (the last one): the
-    key scores a query's extra channel, the value marks it."""
-    b, hk, _, dx = k.shape
-    ks = k.new_zeros(b, hk, 1, dx)
-    ks[..., -1] = 1.0 / scale
-    vs = k.new_zeros(b, hk, 1, dx)
-    vs[..., -1] = 1.0
-    return ks, vs
-
-
+# --- helpers --------------------------------------------------------------------------------------------------
 def _acc(x: torch.Tensor) -> torch.Tensor:
-    """Softmax statistics in at least fp32 (half-precision scores are upcast, fp64 kept)."""
+    """Softmax statistics in at least fp32 (half-precision inputs are upcast, fp64 kept)."""
     return x.float() if x.element_size() < 4 else x
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes in: autocast's where it is on (it casts q/k/v and float masks), else x's."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
 
 
 def _sdpa(q, k, v, scale, mask=None, is_causal=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def _lse_channels(lse: torch.Tensor, scale: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """[..., _EXTRA] query channels carrying lse / scale as hi + mid + lo, each exact in `dtype` (then zeros): against
+    key channels of 1 a kernel that sums exact products in fp32 scores the sentinel at the fp32 lse."""
+    x = lse / scale
+    parts = []
+    for _ in range(3):
+        p = x.to(dtype).to(x.dtype)
+        parts.append(p)
+        x = x - p
+    ch = torch.stack(parts, dim=-1).to(like.dtype)
+    return F.pad(ch, (0, _EXTRA - 3))
+
+
+def _with_lse(q: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [..., d] -> [..., d + _EXTRA] with the small part's log-sum-exp in the extra channels."""
+    return torch.cat([q, _lse_channels(lse, scale, _compute_dtype(q), q)], dim=-1)
+
+
+def _extend(k: torch.Tensor, v: torch.Tensor, sentinel_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v [B, hk, n, d] -> [B, hk, n (+1), d + _EXTRA]: zero extra channels, and with sentinel_first a sentinel key
+    (channels d..d+2 = 1: it scores the query's lse channels) / value (channel d = 1: it marks the share) in front."""
+    d = k.shape[-1]
+    front = 1 if sentinel_first else 0
+    kx, vx = F.pad(k, (0, _EXTRA, front, 0)), F.pad(v, (0, _EXTRA, front, 0))
+    if sentinel_first:
+        kx[:, :, 0, d : d + 3] = 1.0
+        vx[:, :, 0, d] = 1.0
+    return kx, vx
+
+
+def _merge(out: torch.Tensor, small: torch.Tensor, d: int) -> torch.Tensor:
+    """A sentinel call's output [..., d + _EXTRA] + its share (channel d) of the small part's output, in fp32."""
+    merged = _acc(out[..., :d]) + _acc(out[..., d : d + 1]) * small
+    return merged.to(out.dtype)
+
+
+class _Keys:
+    """Keys/values [B, hk, n, d] laid out for chunked calls: (with `sentinel`) _EXTRA extra channels and a sentinel slot
+    before every _SPAN keys, so keys [lo, hi) plus one sentinel are a view (no copy per chunk)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, sentinel: bool):
+        self.sentinel = sentinel
+        self.n = k.shape[2]
+        if not sentinel:
+            self.k, self.v = k, v
+            return
+        b, hk, n, d = k.shape
+        m = -(-n // _SPAN)
+        kp = F.pad(k, (0, _EXTRA, 0, m * _SPAN - n)).view(b, hk, m, _SPAN, d + _EXTRA)
+        vp = F.pad(v, (0, _EXTRA, 0, m * _SPAN - n)).view(b, hk, m, _SPAN, d + _EXTRA)
+        kp, vp = F.pad(kp, (0, 0, 1, 0)), F.pad(vp, (0, 0, 1, 0))  # [B, hk, m, 1 + _SPAN, D]
+        kp[:, :, :, 0, d : d + 3] = 1.0
+        vp[:, :, :, 0, d] = 1.0
+        self.k, self.v = kp.view(b, hk, m * (_SPAN + 1), -1), vp.view(b, hk, m * (_SPAN + 1), -1)
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys/values of real keys [lo, hi) (and, with a sentinel, the one before them; the slice may start a little
+        before lo) -> (k, v, pos [n]: each column's key row (-1 = sentinel), shown [n]: the columns the mask may show)."""
+        dev = self.k.device
+        if not self.sentinel:
+            pos = torch.arange(lo, hi, device=dev)
+            return self.k[:, :, lo:hi], self.v[:, :, lo:hi], pos, torch.ones_like(pos, dtype=torch.bool)
+        e0 = (lo // _SPAN) * (_SPAN + 1)
+        e1 = ((hi - 1) // _SPAN) * (_SPAN + 1) + (hi - 1) % _SPAN + 2
+        e = torch.arange(e0, e1, device=dev)
+        slot = e % (_SPAN + 1)
+        pos = torch.where(slot > 0, (e // (_SPAN + 1)) * _SPAN + slot - 1, torch.full_like(e, -1))
+        return self.k[:, :, e0:e1], self.v[:, :, e0:e1], pos, (slot > 0) | (e == e0)
+
+
+def _additive(vis: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean vis [Bm, L, n] -> additive mask [Bm, 1, group * L, n] in `dtype` (0 / -inf), rows repeated per query head
+    of a KV group; the key axis is allocated to a multiple of 8 so the memory-efficient kernel takes it unpadded."""
+    bm, lq, n = vis.shape
+    n8 = -(-n // 8) * 8
+    mask = torch.full((bm, 1, group, lq, n8), float("-inf"), dtype=dtype, device=vis.device)
+    mask[..., :n].masked_fill_(vis[:, None, None], 0.0)
+    return mask.view(bm, 1, group * lq, n8)[..., :n]
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked attention of q [B, h, L, D] over k/v [B, hk, n, D] (vis [Bm, L, n], Bm in {1, B}) with the query heads of
+    each KV head folded into the query axis: [B, hk, group * L, D], one additive mask -> the memory-efficient kernel."""
+    b, h, lq, dd = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qf = q.reshape(b, hk, g * lq, dd)
+    out = _sdpa(qf, k, v, scale, mask=_additive(vis, g, _compute_dtype(q)))
+    return out.reshape(b, h, lq, v.shape[-1])
+
+
+# --- the TTT chain -------------------------------------------------------------------------------------------
 def _causal_range(q, k, v, scale, window, q_offset, sentinel):
-    """Causal attention of q [B,h,L,D] over k/v [B,hk,L,D] (query row r at position r + q_offset, keys at
-    their row index), optionally with a sentinel key every row sees. Returns [B, h, L, D]."""
+    """Causal attention of q [B,h,L,D] over k/v [B,hk,L,d] (query row r at position r + q_offset, keys at their row
+    index); with `sentinel` q carries _EXTRA lse channels (D = d + _EXTRA) and every row also sees the sentinel key.
+    Returns [B, h, L, D]."""
     n = q.shape[2]
     if window is None or window >= n + q_offset:
-        if sentinel is None:
+        if not sentinel:
             return _sdpa(q, k, v, scale, is_causal=True)
-        ks, vs = sentinel
-        qx = torch.cat([q.new_zeros(q.shape[0], q.shape[1], 1, q.shape[3]), q], dim=2)
-        out = _sdpa(qx, torch.cat([ks, k], dim=2), torch.cat([vs, v], dim=2), scale, is_causal=True)
+        kx, vx = _extend(k, v, sentinel_first=True)
+        out = _sdpa(F.pad(q, (0, 0, 1, 0)), kx, vx, scale, is_causal=True)
         return out[:, :, 1:]
+    keys = _Keys(k, v, sentinel)
+    g = q.shape[1] // k.shape[1]
+    rows = max(1, min(_WINDOW_CHUNK, _CHUNK_ELEMENTS // (g * (_WINDOW_CHUNK + window + 2))))
     pieces = []
-    for c0 in range(0, n, _WINDOW_CHUNK):
-        c1 = min(n, c0 + _WINDOW_CHUNK)
+    for c0 in range(0, n, rows):
+        c1 = min(n, c0 + rows)
         lo = max(0, c0 + q_offset - window + 1)
+        kc, vc, pos, shown = keys.span(lo, c1)
         r = torch.arange(c0, c1, device=q.device)[:, None]
-        s = torch.arange(lo, c1, device=q.device)[None, :]
-        mask = (s <= r) & (r + q_offset - s < window)
-        kc, vc = k[:, :, lo:c1], v[:, :, lo:c1]
-        if sentinel is not None:
-            mask = torch.cat([mask.new_ones(c1 - c0, 1), mask], dim=1)
-            kc, vc = torch.cat([sentinel[0], kc], dim=2), torch.cat([sentinel[1], vc], dim=2)
-        pieces.append(_sdpa(q[:, :, c0:c1], kc, vc, scale, mask=mask))
+        real = pos >= 0
+        vis = real & (pos <= r) & (r + q_offset - pos < window)
+        vis = (vis | (shown & ~real))[None]  # the range's own sentinel
+        pieces.append(_grouped(q[:, :, c0:c1], kc, vc, vis, scale))
     return torch.cat(pieces, dim=2)
 
 
@@ -126,6 +230,25 @@ def _over_ranges(fn, ranges: list[Range], tensors: list[torch.Tensor], out_dim: 
     return torch.cat(rows, dim=0)
 
 
+def _diagonal(q: torch.Tensor, diag: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window: int | None):
+    """Each row's attention over its own chain keys, in fp32 (bf16 inputs upcast exactly): (lse [B, h, T], out
+    [B, h, T, d]). Scores rounded to bf16 would put the merge off by ~|score| * 2^-9 in log space."""
+    step = len(diag)
+    b_n, h, t, d = q.shape
+    hk = diag[0][0].shape[1]
+    with torch.autocast(q.device.type, enabled=False):
+        kd = _acc(torch.stack([x[0] for x in diag], dim=3))  # [B, hk, T, k, d]
+        vd = _acc(torch.stack([x[1] for x in diag], dim=3))
+        qg = _acc(q).reshape(b_n, hk, h // hk, t, d)
+        scores = torch.einsum("bhgtd,bhtjd->bhgtj", qg, kd) * scale
+        if window is not None and step >= window:
+            j = torch.arange(1, step + 1, device=q.device)
+            scores = scores.masked_fill((step - j >= window).view(1, 1, 1, 1, -1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, hk, g, T]
+        out = torch.einsum("bhgtj,bhtjd->bhgtd", torch.exp(scores - lse.unsqueeze(-1)), vd)
+    return lse.reshape(b_n, h, t), out.reshape(b_n, h, t, d)
+
+
 def chain_attention(
     q: torch.Tensor,
     k0: torch.Tensor,
@@ -141,27 +264,56 @@ def chain_attention(
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     if step == 0:
-        return _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, 0, None), ranges, [q, k0, v0], d)
-    b_n, h, t, _ = q.shape
-    hk = k0.shape[1]
-    g = h // hk
-    kd = torch.stack([x[0] for x in diag], dim=3)  # [B, hk, T, k, d]
-    vd = torch.stack([x[1] for x in diag], dim=3)
-    qg = q.view(b_n, hk, g, t, d)
-    scores = torch.einsum("bhgtd,bhtjd->bhgtj", qg, kd) * scale
-    if window is not None and step >= window:
-        j = torch.arange(1, step + 1, device=q.device)
-        scores = scores.masked_fill((step - j >= window).view(1, 1, 1, 1, -1), float("-inf"))
-    lse_d = torch.logsumexp(_acc(scores), dim=-1)  # [B, hk, g, T]
-    out_d = torch.einsum("bhgtj,bhtjd->bhgtd", torch.softmax(_acc(scores), dim=-1).to(vd.dtype), vd).reshape(b_n, h, t, d)
-    qx = _with_extra(q, lse_d.reshape(b_n, h, t))
-    kx, vx = _with_extra(k0, 0.0), _with_extra(v0, 0.0)
+        return _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, 0, False), ranges, [q, k0, v0], d)
+    lse_d, out_d = _diagonal(q, diag, scale, window)
+    qx = _with_lse(q, lse_d, scale)
+    out = _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, step, True), ranges, [qx, k0, v0], d + _EXTRA)
+    return _merge(out, out_d, d)
 
-    def part(qr, kr, vr):
-        return _causal_range(qr, kr, vr, scale, window, step, _sentinel(kr, scale))
 
-    out = _over_ranges(part, ranges, [qx, kx, vx], d + 1)
-    return out[..., :d] + out[..., d:] * out_d
+# --- block drafts ----------------------------------------------------------------------------------------------
+@dataclass
+class BlockBounds:
+    """Host copies of a step's anchors (one device read shared by every layer), and the chunk plans made from them."""
+
+    anchors: list[list[int]]
+    ctx_start: list[list[int]]
+    keep: list[list[bool]]
+    _plans: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, anchors: torch.Tensor, ctx_start: torch.Tensor, keep: torch.Tensor) -> BlockBounds:
+        return cls(anchors.tolist(), ctx_start.tolist(), keep.bool().tolist())
+
+    def chunks(self, window: int | None, block: int, rows: int, group: int) -> list[tuple[int, int, int, int]]:
+        """(a0, a1, lo, hi): blocks a0..a1-1 and the context keys [lo, hi) any of them sees (hi <= lo: none), grown
+        block by block while the chunk's mask stays within _CHUNK_ELEMENTS."""
+        key = (window, block, rows, group)
+        if key in self._plans:
+            return self._plans[key]
+        a_n = len(self.anchors[0]) if self.anchors else 0
+        spans = []
+        for a in range(a_n):
+            lo, hi = 1 << 62, -1
+            for r in range(len(self.anchors)):
+                if self.keep[r][a] and self.anchors[r][a] > self.ctx_start[r][a]:
+                    s0 = self.ctx_start[r][a] if window is None else max(self.ctx_start[r][a], self.anchors[r][a] - window + 1)
+                    lo, hi = min(lo, max(0, s0)), max(hi, self.anchors[r][a])
+            spans.append((lo, hi))
+        plan, a0 = [], 0
+        while a0 < a_n:
+            lo, hi = spans[a0]
+            a1 = a0 + 1
+            while a1 < a_n:
+                nlo, nhi = min(lo, spans[a1][0]), max(hi, spans[a1][1])
+                keys = max(0, nhi - nlo) * (_SPAN + 1) // _SPAN + 2
+                if rows * group * (a1 + 1 - a0) * block * keys > _CHUNK_ELEMENTS:
+                    break
+                lo, hi, a1 = nlo, nhi, a1 + 1
+            plan.append((a0, a1, lo, hi))
+            a0 = a1
+        self._plans[key] = plan
+        return plan
 
 
 def block_attention(
@@ -175,49 +327,56 @@ def block_attention(
     keep: torch.Tensor,
     key_valid: torch.Tensor,
     window: int | None = None,
+    bounds: BlockBounds | None = None,
 ) -> torch.Tensor:
     """Block-draft attention. q [B,h,A*K,d]; kb/vb [B,hk,A*K,d] the blocks' own keys (block a, slot i at
     position anchor + i); kc/vc [B,hk,S,d] context keys (row s); anchors / ctx_start / keep [B, A]: block a
     sees context rows in [ctx_start, anchor) when keep (its sample's first row, so packed samples never mix);
-    key_valid [B, S] real context rows. Returns [B, h, A*K, d]."""
+    key_valid [B, S] real context rows; bounds: `BlockBounds.of(anchors, ctx_start, keep)` when the caller shares one
+    host read among layers. Returns [B, h, A*K, d]."""
     b_n, h, q_n, d = q.shape
-    hk, s_n = kc.shape[1], kc.shape[2]
+    hk = kc.shape[1]
     a_n = anchors.shape[1]
     k_n = q_n // a_n
     g = h // hk
     scale = 1.0 / math.sqrt(d)
-    # own block, bidirectional: [B, hk, g, A, K, K]
-    qb = q.view(b_n, hk, g, a_n, k_n, d)
-    scores = torch.einsum("bhgaid,bhajd->bhgaij", qb, kb.view(b_n, hk, a_n, k_n, d)) * scale
-    if window is not None and k_n > window:
-        i = torch.arange(k_n, device=q.device)
-        scores = scores.masked_fill((i[:, None] - i[None, :] >= window), float("-inf"))
-    lse_o = torch.logsumexp(_acc(scores), dim=-1)  # [B, hk, g, A, K]
-    out_o = torch.einsum("bhgaij,bhajd->bhgaid", torch.softmax(_acc(scores), dim=-1).to(vb.dtype), vb.view(b_n, hk, a_n, k_n, d))
+    # own block, bidirectional, in fp32: [B, hk, g, A, K, K]
+    with torch.autocast(q.device.type, enabled=False):
+        qb = _acc(q).reshape(b_n, hk, g, a_n, k_n, d)
+        scores = torch.einsum("bhgaid,bhajd->bhgaij", qb, _acc(kb).reshape(b_n, hk, a_n, k_n, d)) * scale
+        if window is not None and k_n > window:
+            i = torch.arange(k_n, device=q.device)
+            scores = scores.masked_fill((i[:, None] - i[None, :] >= window), float("-inf"))
+        lse_o = torch.logsumexp(scores, dim=-1)  # [B, hk, g, A, K]
+        out_o = torch.einsum("bhgaij,bhajd->bhgaid", torch.exp(scores - lse_o.unsqueeze(-1)), _acc(vb).reshape(b_n, hk, a_n, k_n, d))
     out_o = out_o.reshape(b_n, h, q_n, d)
-    # context part, chunks of G blocks, merged through the sentinel (every row sees it: no empty rows)
-    qx = _with_extra(q, lse_o.reshape(b_n, h, q_n))
-    kx, vx = _with_extra(kc, 0.0), _with_extra(vc, 0.0)
-    ks, vs = _sentinel(kx, scale)
-    kx, vx = torch.cat([ks, kx], dim=2), torch.cat([vs, vx], dim=2)
+    # context part: chunks of blocks over the key range they see, merged through the sentinel
+    qx = _with_lse(q, lse_o.reshape(b_n, h, q_n), scale)
+    keys = _Keys(kc, vc, sentinel=True)
+    bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep)
     slot = torch.arange(k_n, device=q.device)
-    s_idx = torch.arange(s_n, device=q.device)
-    per = max(1, _BLOCK_CHUNK_ELEMENTS // max(1, b_n * k_n * (s_n + 1)))
+    valid = key_valid.bool()
     pieces = []
-    for a0 in range(0, a_n, per):
-        a1 = min(a_n, a0 + per)
-        anc = anchors[:, a0:a1]
-        vis = (s_idx[None, None, :] < anc[..., None]) & (s_idx[None, None, :] >= ctx_start[:, a0:a1, None])
-        vis = vis & keep[:, a0:a1, None] & key_valid.bool()[:, None, :]  # [B, G, S]
-        vis = vis[:, :, None, :].expand(-1, -1, k_n, -1)  # [B, G, K, S]
+    for a0, a1, lo, hi in bounds.chunks(window, k_n, b_n, g):
+        qc = qx[:, :, a0 * k_n : a1 * k_n]
+        if hi <= lo:  # no block of the chunk sees context: the own block is all there is
+            piece = qc.new_zeros(qc.shape, dtype=_compute_dtype(q))
+            piece[..., d] = 1.0
+            pieces.append(piece)
+            continue
+        kr, vr, pos, shown = keys.span(lo, hi)
+        real = pos >= 0
+        pc = pos.clamp(min=0)
+        anc, start = anchors[:, a0:a1, None], ctx_start[:, a0:a1, None]
+        vis = (pc < anc) & (pc >= start) & keep[:, a0:a1, None].bool() & valid[:, None, :].gather(2, pc.expand(b_n, 1, -1))  # [B, G, n]
+        vis = vis[:, :, None, :].expand(-1, -1, k_n, -1)  # [B, G, K, n]
         if window is not None:
-            qpos = anc[..., None] + slot  # [B, G, K]
-            vis = vis & (qpos[..., None] - s_idx < window)
-        vis = vis.reshape(b_n, (a1 - a0) * k_n, s_n)
-        mask = torch.cat([vis.new_ones(b_n, vis.shape[1], 1), vis], dim=2)[:, None]
-        pieces.append(_sdpa(qx[:, :, a0 * k_n : a1 * k_n], kx, vx, scale, mask=mask))
+            qpos = anc + slot  # [B, G, K]
+            vis = vis & (qpos[..., None] - pc < window)
+        vis = (vis & real) | (shown & ~real)
+        pieces.append(_grouped(qc, kr, vr, vis.reshape(b_n, (a1 - a0) * k_n, -1), scale))
     out = torch.cat(pieces, dim=2)
-    return out[..., :d] + out[..., d:] * out_o
+    return _merge(out, out_o, d)
 
 
 # --- dense-mask references (tests only) --------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.drafts.anchors import sample_anchors as draw_anchors
-from deepspec.drafts.attention import block_attention, dense_block_mask
+from deepspec.drafts.attention import BlockBounds, block_attention, dense_block_mask
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
@@ -229,9 +229,10 @@ class BlockDraft(TargetBackedDraft):
         ctx = self.context(batch.taps)
         x = self.embed(ids).to(ctx.dtype)
         am = batch.attention_mask.bool()
+        bounds = BlockBounds.of(anchors, ctx_start, keep)  # one host read of the anchors for every layer's key ranges
 
         def attn(i, q, kb, vb, kc, vc):
-            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i))
+            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), bounds)
 
         h = self.backbone(x, pos, self.context_kv(ctx, positions), None, attn=attn)
         return h.view(b, anchors.shape[1], self.block_size, -1)
