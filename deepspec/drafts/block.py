@@ -37,6 +37,7 @@ from deepspec.drafts.attention import BlockBounds, block_attention, dense_block_
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
+from deepspec.drafts.losses import gemm_dtype
 from deepspec.drafts.vocab import sample_token
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -306,7 +307,9 @@ class BlockDraft(TargetBackedDraft):
             e = torch.zeros(0, device=h.device)
             return zero.expand(0), zero.expand(0), e, e
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
-        terms = partial(self._chunk_terms, tids=self.draft_target_ids()) if self.reduced_vocab else self._chunk_terms
+        head = self.head_weight()
+        head = head.to(gemm_dtype(h, head))  # cast once per loss, not per chunk (no-op: frozen head in the training dtype)
+        terms = partial(self._chunk_terms, head=head, tids=self.draft_target_ids() if self.reduced_vocab else None)
         ces, l1s, alphas, tops = [], [], [], []
         for i in range(0, n, chunk):
             args = (h[i : i + chunk], fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
@@ -317,9 +320,12 @@ class BlockDraft(TargetBackedDraft):
             ces.append(ce), l1s.append(l1), alphas.append(alpha), tops.append(top)
         return torch.cat(ces), torch.cat(l1s), torch.cat(alphas), torch.cat(tops)
 
-    def _chunk_terms(self, h, fh, labels, z=None, tids=None):
-        """tids [Dv]: the target ids of the draft vocabulary's columns (None = the full vocabulary)."""
-        logits = self.base_logits(h).float()
+    def _chunk_terms(self, h, fh, labels, z=None, tids=None, head=None):
+        """tids [Dv]: the target ids of the draft vocabulary's columns (None = the full vocabulary). head: the LM head in
+        the GEMM dtype (bf16 under bf16 autocast); softmax, log-normalisers and the terms are fp32."""
+        head = self.head_weight() if head is None else head
+        dt = gemm_dtype(h, head)
+        logits = softcap(F.linear(h.to(dt), head.to(dt)).float(), self.arch.logit_softcap)
         if z is not None:
             logits = logits + self._head_bias(z).float()
         with torch.no_grad():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from deepspec.drafts.base import DraftModel
 from deepspec.drafts.layers import DraftArch, arch_from_target, softcap
+from deepspec.drafts.losses import gemm_dtype
 from deepspec.drafts.vocab import build_draft_vocab, target_ids_of_draft_vocab
 from deepspec.errors import CheckpointError, ConfigError
 
@@ -98,9 +99,17 @@ class TargetBackedDraft(DraftModel):
     def target_logits(self, final_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's next-token logits (fp32) from its final normed hidden state; `rows`: only those
         token ids' logits (columns in that order), without running the rest of the LM head."""
+        dt = gemm_dtype(final_hidden, self.target_lm_head)  # bf16 under bf16 autocast, as the served target computes it
         head = self.target_lm_head if rows is None else self.target_lm_head[rows]
-        # (.float() after the matmul: under bf16 autocast the product is bf16, as the served target computes it)
-        return softcap((final_hidden.float() @ head.float().T).float(), self.arch.logit_softcap)
+        return softcap(F.linear(final_hidden.to(dt), head.to(dt)).float(), self.arch.logit_softcap)
+
+    def hold_target_in(self, dtype: torch.dtype) -> None:
+        """Keep the frozen target embedding / LM head in `dtype` (the training dtype: bf16 halves the 5 GB a 150k x 4096
+        pair takes in fp32, and no step casts them again). Frozen: nothing trains them, so no precision is lost."""
+        for name in ("target_embed", "target_lm_head"):
+            buf = getattr(self, name)
+            if buf.dtype != dtype:
+                setattr(self, name, buf.to(dtype))
 
     def export_config(self) -> dict[str, Any]:
         return {

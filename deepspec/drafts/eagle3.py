@@ -25,15 +25,12 @@ from deepspec.drafts.attention import chain_attention, sample_ranges
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
-from deepspec.drafts.losses import soft_ce, target_full_stats
+from deepspec.drafts.losses import gemm_dtype, soft_ce, teacher_logits
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import sample_token
 from deepspec.errors import ConfigError
 
 KV = tuple[torch.Tensor, torch.Tensor]
-
-# Largest [B, T, draft vocab] fp32 target-logit table the loss keeps for all TTT steps (256 MiB).
-_LABEL_CACHE_ELEMENTS = 1 << 26
 
 
 @register("eagle3")
@@ -306,23 +303,20 @@ class Eagle3Draft(TargetBackedDraft):
         cfg = self.model_cfg
         chunk = max(1, int(cfg.vocab_chunk_rows))
         cap = self.arch.logit_softcap
-        # The loss needs the target's logits on the draft vocabulary only (computed chunk by chunk inside
-        # soft_ce); the full-vocabulary head (acceptance and top-1 metrics) is ~1/4 of a quickstart step,
-        # so unlogged training steps skip it.
+        # The target's distribution on the draft vocabulary, once per micro-batch for every TTT step (step k reads the
+        # rows shifted by k): [B*T, Dv] in the GEMM's dtype (bf16 under bf16 autocast), built in row chunks. The
+        # full-vocabulary head (acceptance and top-1 metrics) is ~1/4 of a quickstart step, so only logged steps take
+        # it, in the same pass (the labels are its draft-vocabulary columns).
         with_metrics = self.train_metrics or not self.training
         fh = batch.final_hidden
-        target_rows = self.target_lm_head[draft_tids]
-        # Every TTT step reads the same target rows (shifted): when [B, T, Dv] is small, compute the target's
-        # draft-vocabulary logits once instead of per step; long sequences / large vocabularies recompute per chunk.
-        pre = None
-        if b * t * target_rows.shape[0] <= _LABEL_CACHE_ELEMENTS:
-            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=False):
-                pre = softcap(fh.reshape(b * t, -1).float() @ target_rows.float().T, cap).view(b, t, -1)
+        teacher = teacher_logits(fh.reshape(b * t, -1), self.target_lm_head, chunk=chunk, draft_ids=draft_tids, cap=cap,
+                                 full_stats=with_metrics)
         lse_full = t_top = None
         if with_metrics:
-            with torch.no_grad():
-                lse_full, t_top = target_full_stats(fh.reshape(b * t, -1), self.target_lm_head, cap, chunk)
-                lse_full, t_top = lse_full.view(b, t), t_top.view(b, t)
+            lse_full, t_top = teacher.lse_full.view(b, t), teacher.top.view(b, t)
+        head = self.lm_head.weight
+        head_gemm = head.to(gemm_dtype(fh, head))  # cast once for every step's GEMMs (a no-op in fp32 / bf16 params)
+        row_base = torch.arange(b, device=dev)[:, None] * t
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -346,10 +340,10 @@ class Eagle3Draft(TargetBackedDraft):
             decay = cfg.step_loss_decay**k
             ce_w, ce, arg, alpha, top = soft_ce(
                 normed[:, :m].reshape(b * m, -1),
-                self.lm_head.weight,
+                head,
                 (v * (decay / cnt.clamp(min=1))).reshape(-1),
-                fh[:, 1 + k : 1 + k + m].reshape(b * m, -1),
-                target_rows,
+                teacher.logits[1 + k : 1 + k + m] if b == 1 else teacher.logits,  # one row: a view, no gather
+                None if b == 1 else (row_base + 1 + k + torch.arange(m, device=dev)[None]).reshape(-1),
                 chunk=chunk,
                 label_temperature=cfg.label_temperature,
                 draft_softcap=cap,
@@ -357,7 +351,7 @@ class Eagle3Draft(TargetBackedDraft):
                 lse_full=None if lse_full is None else lse_full[:, 1 + k : 1 + k + m].reshape(-1),
                 target_top=None if t_top is None else t_top[:, 1 + k : 1 + k + m].reshape(-1),
                 draft_tids=draft_tids,
-                target_logits=None if pre is None else pre[:, 1 + k : 1 + k + m].reshape(b * m, -1),
+                head_gemm=head_gemm,
             )
             ce = ce.view(b, m)
             total = total + ce_w

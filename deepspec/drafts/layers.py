@@ -129,7 +129,8 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines."""
+    """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines; returns the input's dtype
+    (bf16 in, bf16 out: an fp32 weight must not turn the residual stream fp32 under autocast)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
@@ -143,7 +144,7 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return ((self.offset + self.weight.float()) * x).to(dtype)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

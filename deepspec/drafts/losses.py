@@ -1,14 +1,25 @@
 """Vocabulary-chunked distillation losses: the [rows, V] logits never exist for all rows at once.
 
 `soft_ce` is EAGLE-3's soft cross-entropy against the target's distribution on the draft vocabulary,
-with the draft LM head fused in: each chunk of rows computes the draft logits, the target's soft labels
-(from its cached final hidden states, chunk by chunk), the loss and — in the same pass — the gradients
-of the hidden states and the head weight (the loss is linear in each row's weight, so the gradient is
-known in the forward; the backward only scales it). Nothing of size [rows, V] is kept for the backward,
-and the head matmul runs once forward and twice for gradients, as autograd would.
+with the draft LM head fused in: each chunk of rows computes the draft logits, reads the target's logits
+for those rows (computed once per micro-batch by `teacher_logits`), the loss and — in the same pass — the
+gradients of the hidden states and the head weight (the loss is linear in each row's weight, so the
+gradient is known in the forward; the backward only scales it). Nothing of size [rows, V] is kept for the
+backward, and the head matmul runs once forward and twice for gradients, as autograd would.
+
+Precision: head matmuls run in `gemm_dtype` — the autocast dtype where autocast is on (bf16 tensor cores,
+fp32 accumulation inside the GEMM), else the operands' own dtype (fp32 CPU runs are unchanged). Everything
+after the GEMM — softcap, softmax, log-normalisers, the loss and its gradient — is fp32.
+
+The same algorithm is what Liger-Kernel's fused linear JSD runs on CUDA; we keep our own because its teacher
+is an (input, weight) pair it multiplies again on every call (once per TTT step here) and its per-call
+[rows, V] fp32 loss buffer and host sync are what this module exists to avoid. Liger's fused linear
+cross-entropy takes hard labels, so block drafts can use it (deepspec/drafts/liger.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,36 +27,80 @@ import torch.nn.functional as F
 from deepspec.drafts.layers import softcap
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.element_size() < 4 else x
+def gemm_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype a head matmul runs in: autocast's where it is on for x's device, else the operands' common dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(x.dtype, w.dtype)
+
+
+@dataclass
+class TeacherLabels:
+    """The target's distribution for every row of a micro-batch, computed once (`teacher_logits`).
+
+    logits [N, Dv]: the target head's raw (not soft-capped) logits on the draft vocabulary, in the GEMM's dtype
+    (bf16 under bf16 autocast: what the served target computes; fp32 in fp32 runs). lse_full / top [N]: the
+    soft-capped full-vocabulary log-normaliser and argmax (metrics only; None when not asked for)."""
+
+    logits: torch.Tensor
+    lse_full: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def teacher_logits(
+    final_hidden: torch.Tensor, lm_head: torch.Tensor, *, chunk: int, draft_ids: torch.Tensor | None = None,
+    cap: float | None = None, full_stats: bool = False,
+) -> TeacherLabels:
+    """final_hidden [N, Ht] (the target's final normed states), lm_head [V, Ht] the target's full head; draft_ids [Dv]
+    the target ids of the draft vocabulary (None = all). Row chunks of `chunk` bound the transient [chunk, V] logits.
+
+    full_stats: also the full-vocabulary log-normaliser and argmax per row (acceptance / top-1 metrics): one GEMM
+    over the full head per chunk, whose draft-vocabulary columns are the labels, so a logged step adds no second pass."""
+    n, c = final_hidden.shape[0], max(1, int(chunk))
+    dt = gemm_dtype(final_hidden, lm_head)
+    head = lm_head.to(dt)
+    rows = head if (draft_ids is None or full_stats) else head[draft_ids]
+    dv = head.shape[0] if draft_ids is None else draft_ids.shape[0]
+    out = final_hidden.new_empty((n, dv), dtype=dt)
+    lse = final_hidden.new_empty(n, dtype=torch.float32) if full_stats else None
+    top = final_hidden.new_empty(n, dtype=torch.long) if full_stats else None
+    for i in range(0, n, c):
+        raw = F.linear(final_hidden[i : i + c].to(dt), rows)
+        if full_stats:
+            capped = softcap(raw.float(), cap)
+            lse[i : i + c] = torch.logsumexp(capped, dim=-1)
+            top[i : i + c] = capped.argmax(-1)
+            raw = raw if draft_ids is None else raw[:, draft_ids]
+        out[i : i + c] = raw
+    return TeacherLabels(out, lse, top)
 
 
 class _SoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, head, weights, fh, target_rows, opts):
-        """h [N, H] draft states, head [Dv, H] draft LM head, weights [N] per-row loss weights,
-        fh [N, Ht] target final states of each row's label, target_rows [Dv, Ht] the target head's rows
-        for the draft vocabulary. Returns (sum_r w_r CE_r, CE [N], argmax [N], alpha [N], top-1 match [N])."""
-        chunk, temp, cap_d, cap_t, lse_full, t_top, draft_tids, need_grad_h, need_grad_w, pre = opts
+    def forward(ctx, h, head, weights, teacher, rows, opts):
+        """h [N, H] draft states, head [Dv, H] draft LM head, weights [N] per-row loss weights, teacher [M, Dv] the
+        target's raw draft-vocabulary logits (TeacherLabels.logits), rows [N] each row's label row in it (None: row r
+        is teacher row r). Returns (sum_r w_r CE_r, CE [N], argmax [N], alpha [N], top-1 match [N])."""
+        chunk, temp, cap_d, cap_t, lse_full, t_top, draft_tids, need_grad_h, need_grad_w, head_gemm = opts
         n = h.shape[0]
+        dt = gemm_dtype(h, head)
+        hw = head_gemm if head_gemm is not None and head_gemm.dtype == dt else head.to(dt)  # one cast per call, not per chunk
         grad_h = torch.zeros_like(h) if need_grad_h else None
-        grad_w = torch.zeros(head.shape, dtype=torch.float32 if head.element_size() < 4 else head.dtype, device=head.device) if need_grad_w else None
+        grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if need_grad_w else None
         ces, argmaxes, alphas, tops = [], [], [], []
-        total = weights.new_zeros((), dtype=torch.float32 if weights.element_size() < 4 else weights.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
         for i in range(0, n, chunk):
-            hc = h[i : i + chunk]
-            raw = F.linear(hc, head)
-            logits = _acc_dtype(softcap(raw, cap_d))
+            hc = h[i : i + chunk].to(dt)
+            logits = softcap(F.linear(hc, hw).float(), cap_d)
             with torch.no_grad():
-                if pre is not None:  # the caller computed the target's draft-vocabulary logits once for all steps
-                    sub = pre[i : i + chunk]
-                else:
-                    with torch.autocast(device_type=fh.device.type, enabled=False):  # labels in fp32 under bf16 autocast too
-                        sub = softcap(fh[i : i + chunk].float() @ target_rows.float().T, cap_t)
+                sub = teacher[i : i + chunk] if rows is None else teacher.index_select(0, rows[i : i + chunk])
+                sub = softcap(sub.float(), cap_t)
                 p_t = torch.softmax(sub / temp, dim=-1)
             logp = torch.log_softmax(logits, dim=-1)
             ce = -(p_t * logp).sum(-1)
-            w = weights[i : i + chunk].to(ce.dtype)
+            w = weights[i : i + chunk].float()
             total = total + (w * ce).sum()
             p_d = logp.exp()
             ces.append(ce)
@@ -53,24 +108,24 @@ class _SoftCE(torch.autograd.Function):
             if lse_full is not None:
                 p_full = torch.exp(sub - lse_full[i : i + chunk, None])
                 alphas.append(torch.minimum(p_d, p_full).sum(-1))
-                tops.append((draft_tids[argmaxes[-1]] == t_top[i : i + chunk]).to(ce.dtype))
+                tops.append((draft_tids[argmaxes[-1]] == t_top[i : i + chunk]).float())
             if need_grad_h or need_grad_w:
                 g = (p_d - p_t) * w[:, None]  # d(w * CE)/d logits (sum_v p_t = 1)
                 if cap_d:
                     g = g * (1 - (logits / cap_d) ** 2)
-                g = g.to(raw.dtype)
+                g = g.to(dt)
                 if need_grad_h:
-                    grad_h[i : i + chunk] = (g @ head.to(g.dtype)).to(h.dtype)
+                    grad_h[i : i + chunk] = (g @ hw).to(h.dtype)
                 if need_grad_w:
-                    grad_w += (g.T @ hc.to(g.dtype)).to(grad_w.dtype)
+                    grad_w += (g.T @ hc).float()
         ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
         ctx.has = (need_grad_h, need_grad_w)
         ctx.head_dtype = head.dtype
-        cat = lambda xs, dt: torch.cat(xs) if xs else h.new_zeros(0, dtype=dt)  # noqa: E731
-        ce_all = cat(ces, total.dtype)
+        cat = lambda xs, dt_: torch.cat(xs) if xs else h.new_zeros(0, dtype=dt_)  # noqa: E731
+        ce_all = cat(ces, torch.float32)
         am = cat(argmaxes, torch.long)
-        alpha = cat(alphas, total.dtype) if lse_full is not None else None
-        top = cat(tops, total.dtype) if lse_full is not None else None
+        alpha = cat(alphas, torch.float32) if lse_full is not None else None
+        top = cat(tops, torch.float32) if lse_full is not None else None
         outs = [x for x in (ce_all, am, alpha, top) if x is not None]
         ctx.mark_non_differentiable(*outs)
         return (total, ce_all, am, alpha, top)
@@ -92,8 +147,8 @@ def soft_ce(
     h: torch.Tensor,
     head: torch.Tensor,
     weights: torch.Tensor,
-    fh: torch.Tensor,
-    target_rows: torch.Tensor,
+    teacher: torch.Tensor,
+    rows: torch.Tensor | None = None,
     *,
     chunk: int,
     label_temperature: float = 1.0,
@@ -102,29 +157,17 @@ def soft_ce(
     lse_full: torch.Tensor | None = None,
     target_top: torch.Tensor | None = None,
     draft_tids: torch.Tensor | None = None,
-    target_logits: torch.Tensor | None = None,
+    head_gemm: torch.Tensor | None = None,
 ):
     """Row-chunked soft CE with the head fused (see the module docstring); gradients flow to h and head.
 
-    Returns (sum_r weights_r * CE_r [scalar, differentiable], CE [N], draft argmax [N] in draft ids, and when
+    teacher [M, Dv]: the target's raw draft-vocabulary logits (`teacher_logits(...).logits`), read at `rows` [N]
+    (None: row r reads teacher row r) — EAGLE-3's TTT steps read the same teacher rows shifted, so one table per
+    micro-batch serves every step. head_gemm: `head` already cast to the GEMM dtype (saves a cast per call).
+
+    Returns (sum_r weights_r * CE_r [scalar fp32, differentiable], CE [N], draft argmax [N] in draft ids, and when
     lse_full / target_top (the target's full-vocabulary log-normaliser and argmax per row) are given:
-    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None).
-
-    target_logits [N, Dv] (fp32, soft-capped): the target's draft-vocabulary logits of each row, when the caller
-    can afford to hold them (then fh / target_rows are not read): EAGLE-3's TTT steps read the same target rows
-    shifted, so a small [T, Dv] computed once saves a matmul per step."""
+    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None)."""
     opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad,
-            head.requires_grad, target_logits)
-    return _SoftCE.apply(h, head, weights.detach(), fh, target_rows, opts)
-
-
-def target_full_stats(final_hidden: torch.Tensor, lm_head: torch.Tensor, cap: float | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's full-vocabulary log-normaliser and argmax per row ([N] each), computed in row chunks."""
-    lses, tops = [], []
-    for i in range(0, final_hidden.shape[0], max(1, int(chunk))):
-        tl = softcap((final_hidden[i : i + chunk].float() @ lm_head.float().T).float(), cap)
-        lses.append(torch.logsumexp(tl, dim=-1))
-        tops.append(tl.argmax(-1))
-    if not lses:
-        return final_hidden.new_zeros(0, dtype=torch.float32), final_hidden.new_zeros(0, dtype=torch.long)
-    return torch.cat(lses), torch.cat(tops)
+            head.requires_grad, head_gemm)
+    return _SoftCE.apply(h, head, weights.detach(), teacher.detach(), rows, opts)

@@ -41,7 +41,8 @@ from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_length
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
-from deepspec.train.parallel import full_trainable_state, unwrap, wrap
+from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, unwrap, wrap
+from deepspec.train.precision import resolve_precision, setup_precision
 from deepspec.train.loader import build_loader, resolve_processes
 from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
@@ -81,14 +82,7 @@ def train(cfg, parts: TrainParts | None = None) -> Path:
 def autocast_context(cfg, device: torch.device):
     """A factory of the forward pass's precision context for `train.precision` on `device` (validation
     and bench_replay reuse it, so they measure the draft as it trained)."""
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    elif precision == "bf16_if_native":
-        from deepspec.cpus import cpu_has_native_bf16
-
-        precision = "bf16" if device.type == "cuda" or cpu_has_native_bf16() else "fp32"
-    if precision == "bf16":
+    if resolve_precision(cfg.train.precision, device) == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -141,7 +135,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
 
     model.to(info.device)
     model.train()
-    wrapped = wrap(model, tcfg.parallel, info.world, info.device)
+    dtype = setup_precision(model, tcfg.precision, info.device)  # TF32 on CUDA; frozen target tensors in the training dtype
+    wrapped = wrap(model, tcfg.parallel, info.world, info.device, dtype)
     if tcfg.compile:
         wrapped.compile()  # in place: parameter names (checkpoints, optimizer state) stay unprefixed
     sharded = tcfg.parallel == "fsdp"
@@ -214,8 +209,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 torch.manual_seed(_step_seed(tcfg.seed, step, m * info.world + info.rank))
                 sync = m == n_micro - 1
                 ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
-                if sharded and hasattr(wrapped, "set_requires_gradient_sync"):
-                    wrapped.set_requires_gradient_sync(sync)
+                if sharded:
+                    accumulating(wrapped, last=sync)  # FSDP2: gather once per step, reduce after the last micro-batch
                 with ctx:
                     with autocast():
                         loss, metrics = wrapped(batch)
@@ -231,6 +226,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 for k, (num, den) in metrics.items():
                     pair = torch.stack([num.detach().double().reshape(()), torch.as_tensor(den, device=num.device).double().reshape(())])
                     metric_sums[k] = metric_sums[k] + pair if k in metric_sums else pair
+            if sharded:
+                release_gathered(wrapped)  # FSDP2: the units stayed gathered through the step's micro-batches
             # token-weighted mean over the global batch: DDP/FSDP averaged over `world`, undo and divide by N
             stats = torch.stack([local_tokens, loss_sum])
             all_reduce_sum(stats)

@@ -1,0 +1,264 @@
+"""Mixed precision by policy: EAGLE-3's teacher labels once per micro-batch (golden against the per-step labels they
+replace), bf16 head GEMMs within tolerance of fp32, norms that keep their input's dtype, the frozen target in the
+training dtype, TF32 only on CUDA, and FSDP2 in bf16 with 2 gloo workers (units, one gather per step)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import DraftBatch, get_algorithm
+from deepspec.drafts.layers import RMSNorm, softcap
+from deepspec.targets.tiny import tiny_config
+
+VOCAB, HIDDEN = 96, 32
+
+
+def _draft(algorithm: str = "eagle3", seed: int = 0, **kw):
+    cfg = tiny_config("llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=4, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
+    mc = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 1, 2], **kw)
+    torch.manual_seed(seed)
+    draft = get_algorithm(algorithm).from_target_config(cfg, mc)
+    draft.load_target_weights(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN) * 0.3)
+    if "d2t" in draft._buffers:
+        draft.set_token_frequencies(torch.rand(VOCAB))
+    for p in draft.parameters():
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    draft.train()
+    return draft
+
+
+def _batch(b: int, t: int, seed: int = 1) -> DraftBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    lm = torch.ones(b, t, dtype=torch.bool)
+    lm[:, :5] = False
+    if b > 1:
+        lm[1, t - 40 :] = False
+    return DraftBatch(ids, lm, torch.ones_like(lm), torch.randn(b, t, 3, HIDDEN, generator=g), torch.randn(b, t, HIDDEN, generator=g))
+
+
+def _per_step_reference(draft, batch: DraftBatch) -> torch.Tensor:
+    """EAGLE-3's loss with the target's labels recomputed in fp32 at every TTT step, what long samples ran before
+    (autocast off, [rows, Dv] fp32 per step); the draft's own states come from the same ttt_steps."""
+    ids, lm, am, fh = batch.input_ids, batch.loss_mask, batch.attention_mask, batch.final_hidden
+    b, t = ids.shape
+    cfg, cap = draft.model_cfg, draft.arch.logit_softcap
+    rows = draft.target_lm_head[draft.draft_target_ids()].float()
+    total = torch.zeros(())
+    for k, _, normed in draft.ttt_steps(ids, batch.taps, with_normed=True, heads=False):
+        m = t - 2 - k
+        with torch.autocast("cpu", enabled=False):
+            p_t = torch.softmax(softcap(fh[:, 1 + k : 1 + k + m].float() @ rows.T, cap) / cfg.label_temperature, -1)
+        logp = torch.log_softmax(softcap(F.linear(normed[:, :m], draft.lm_head.weight).float(), cap), -1)
+        v = (lm[:, 2 + k :] & am[:, 2 + k :]).float()
+        ce = -(p_t * logp).sum(-1)
+        total = total + cfg.step_loss_decay**k * (ce * v).sum() / v.sum().clamp(min=1)
+    return total
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_teacher_once_per_micro_batch_equals_the_per_step_labels_above_the_old_cache_limit(logged, monkeypatch):
+    """T = 2,200 > 2,097 (where the [B, T, Dv] label table stopped being cached): the labels are built once for all
+    TTT steps, and loss and gradients equal the per-step fp32 computation."""
+    import deepspec.drafts.eagle3 as eagle3
+
+    calls = []
+    real = eagle3.teacher_logits
+    monkeypatch.setattr(eagle3, "teacher_logits", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    draft = _draft(draft_vocab_size=40, ttt_length=3, label_temperature=0.7, logit_softcap=15.0, vocab_chunk_rows=512)
+    draft.train_metrics = logged
+    batch = _batch(2, 2200)
+    loss, metrics = draft.loss(batch)
+    loss.backward()
+    assert calls == [torch.Size([2 * 2200, HIDDEN])]  # one teacher pass over every row, not one per step
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    ref = _per_step_reference(draft, batch)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert grads
+    for n, p in draft.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert ("expected_tau" in metrics) == logged
+
+
+def _loss_and_grads(draft, batch, bf16: bool):
+    draft.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, metrics = draft.loss(batch)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in draft.parameters() if p.grad is not None])
+    return float(loss.detach()), grads, metrics
+
+
+@pytest.mark.parametrize("algorithm, kw", [("eagle3", {"draft_vocab_size": 40, "ttt_length": 3}),
+                                           ("dflash", {"num_anchors": 8, "block_size": 4}),
+                                           ("dspark", {"num_anchors": 8, "block_size": 4, "markov_rank": 8})])
+def test_bf16_losses_are_within_tolerance_of_fp32(algorithm, kw):
+    """bf16 head GEMMs with fp32 softmax / log-normalisers: the loss within 2% of fp32, the gradient pointing the same
+    way (cosine > 0.99). The frozen target is held in bf16 as training in bf16 does."""
+    draft = _draft(algorithm, **kw)
+    batch = _batch(2, 96)
+    torch.manual_seed(3)
+    l32, g32, _ = _loss_and_grads(draft, batch, bf16=False)
+    draft.hold_target_in(torch.bfloat16)
+    torch.manual_seed(3)  # the same anchors
+    l16, g16, m16 = _loss_and_grads(draft, batch, bf16=True)
+    assert draft.target_lm_head.dtype == torch.bfloat16
+    assert abs(l16 - l32) <= 0.02 * abs(l32), (l16, l32)
+    assert float(F.cosine_similarity(g16, g32, dim=0)) > 0.99
+    assert all(torch.isfinite(v[0]).all() for v in m16.values())
+
+
+def test_teacher_labels_are_bf16_under_autocast_and_fp32_without():
+    from deepspec.drafts.losses import teacher_logits
+
+    fh, head = torch.randn(10, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    ids = torch.arange(0, VOCAB, 3)
+    full = teacher_logits(fh, head, chunk=4, draft_ids=ids, full_stats=True)
+    rows = teacher_logits(fh, head, chunk=3, draft_ids=ids)
+    assert full.logits.dtype == rows.logits.dtype == torch.float32
+    torch.testing.assert_close(full.logits, fh @ head[ids].T)
+    torch.testing.assert_close(rows.logits, fh @ head[ids].T)
+    torch.testing.assert_close(full.lse_full, torch.logsumexp(fh @ head.T, -1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = teacher_logits(fh, head, chunk=4, draft_ids=ids, full_stats=True)
+    assert low.logits.dtype == torch.bfloat16 and low.lse_full.dtype == torch.float32
+    torch.testing.assert_close(low.logits.float(), full.logits, rtol=0.05, atol=0.1)
+
+
+def test_rmsnorm_returns_its_inputs_dtype():
+    x = torch.randn(3, 16)
+    for offset in (0.0, 1.0):
+        norm = RMSNorm(16, offset=offset)
+        norm.weight.data.uniform_(-0.5, 1.5)
+        assert norm(x).dtype == torch.float32
+        out = norm(x.bfloat16())
+        assert out.dtype == torch.bfloat16  # an fp32 weight used to promote it to fp32
+        torch.testing.assert_close(out.float(), norm(x), rtol=0.02, atol=0.02)
+
+
+def test_setup_precision_holds_the_frozen_target_in_the_training_dtype(monkeypatch):
+    from deepspec.train import precision
+
+    draft = _draft(draft_vocab_size=40, ttt_length=2)
+    assert precision.setup_precision(draft, "auto", torch.device("cpu")) == torch.float32
+    assert draft.target_embed.dtype == draft.target_lm_head.dtype == torch.float32
+    monkeypatch.setattr("deepspec.cpus.cpu_has_native_bf16", lambda *a: False)
+    assert precision.resolve_precision("bf16_if_native", torch.device("cpu")) == "fp32"
+    assert precision.resolve_precision("bf16_if_native", torch.device("cuda")) == "bf16"
+    assert precision.setup_precision(draft, "bf16", torch.device("cpu")) == torch.bfloat16
+    assert draft.target_embed.dtype == draft.target_lm_head.dtype == torch.bfloat16
+    assert "target_lm_head" in dict(draft.named_buffers())  # still a buffer (checkpoints skip it, devices move it)
+    assert torch.get_float32_matmul_precision() == "highest"  # CPU: exact fp32 matmuls stay
+    before = torch.get_float32_matmul_precision()
+    try:
+        precision.enable_tf32(torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_fsdp_units_cover_every_decoder_layer_including_eagle3_midlayer():
+    from deepspec.train.parallel import fsdp_units
+
+    one = _draft(draft_vocab_size=40, ttt_length=2)
+    assert one.midlayer.mlp in fsdp_units(one)
+    two = _draft(draft_vocab_size=40, ttt_length=2, num_draft_layers=2)
+    units = fsdp_units(two)
+    assert two.midlayer.mlp in units and two.layers[0].mlp in units
+    block = _draft("dflash", num_anchors=8, block_size=4)
+    assert all(layer.mlp in fsdp_units(block) for layer in block.layers)
+
+
+# ----------------------------------------------------------------------------- FSDP2, 2 gloo workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, port: int, out: str, plain: bool) -> None:
+    import torch.distributed as dist
+
+    from deepspec.train.parallel import accumulating, fsdp_units, release_gathered, wrap
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        draft = _draft(draft_vocab_size=40, ttt_length=3, num_draft_layers=2)
+        draft.hold_target_in(torch.bfloat16)
+        wrapped = wrap(draft, "fsdp", 2, torch.device("cpu"), torch.bfloat16)
+        opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
+        gathers = []
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # FSDP2's collective
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, **kw: gathers.append(a[0].dtype) or real(*a, **kw))
+        seen = {}
+        draft.midlayer.mlp.register_forward_hook(lambda m, i, o: seen.update(mlp_weight=m.up_proj.weight.dtype))
+        before = {n: p.detach().full_tensor().clone() for n, p in wrapped.named_parameters()}
+        losses = []
+        for step in range(2):
+            for m in range(2):  # two micro-batches per step
+                if plain:  # FSDP2's defaults: reshard after every backward
+                    wrapped.set_requires_gradient_sync(m == 1)
+                else:
+                    accumulating(wrapped, last=m == 1)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss, _ = wrapped(_batch(1, 40, seed=10 + 4 * step + 2 * m + rank))
+                loss.backward()
+                losses.append(float(loss.detach()))
+            if not plain:
+                release_gathered(wrapped)
+            grad_dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        setattr(dist, name, real)
+        after = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
+        torch.save({"losses": losses, "gathers": len(gathers), "gather_dtypes": sorted({str(d) for d in gathers}),
+                    "units": len(fsdp_units(draft)), "moved": sum(int(not torch.equal(before[n], after[n])) for n in before),
+                    "params": len(before), "master": sorted({str(p.dtype) for p in wrapped.parameters()}),
+                    "seen": {k: str(v) for k, v in seen.items()}, "grad_dtypes": grad_dtypes},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_fsdp(out, plain: bool) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out.mkdir()
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(out), plain), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_fsdp2_bf16_policy_trains_with_one_gather_per_unit_and_step(tmp_path):
+    """2 gloo workers x 2 steps x 2 micro-batches: bf16 parameters gathered, fp32 master weights and gradients, midlayer's
+    MLP a unit of its own. `accumulating` + `release_gathered` gather every unit once per step (the units serve 3 TTT
+    steps x 2 micro-batches and their backwards) and train exactly as FSDP2's defaults, which gather the
+    multi-use EAGLE-3 blocks again in the backward."""
+    rows = _run_fsdp(tmp_path / "ours", plain=False)
+    for r in rows:
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["moved"] == r["params"]  # every trainable tensor took the steps
+        assert r["master"] == ["torch.float32"] and r["grad_dtypes"] == ["torch.float32"]
+        assert r["seen"]["mlp_weight"] == "torch.bfloat16"  # gathered in bf16 for the forward
+        assert r["gather_dtypes"] == ["torch.bfloat16"]  # gloo gathers bf16; gradients reduce in fp32
+    units = rows[0]["units"] + 1  # + the root unit
+    assert rows[0]["gathers"] == 2 * units, rows[0]
+    plain = _run_fsdp(tmp_path / "plain", plain=True)
+    assert plain[0]["gathers"] > 2 * units, plain[0]
+    for r, p in zip(rows, plain):  # the same training: no stale gathered weights after an optimizer step
+        assert r["losses"] == pytest.approx(p["losses"], abs=1e-4)
