@@ -1,6 +1,7 @@
 # Sourced by scripts/train/train.sh and scripts/data/cache.sh: start `python -m MODULE ARGS...` as torchrun
 # workers. Reads NPROC (empty = one worker per visible GPU, else 1) and TORCHRUN_ARGS (extra torchrun
-# arguments; any rendezvous/node argument turns off --standalone, for multi-node runs).
+# arguments; any rendezvous/node argument turns off --standalone, for multi-node runs) and TORCHRUN_MODULE (the
+# launcher module, default torch.distributed.run).
 torchrun_launch() {
   local module="$1"; shift
   local root python="${PYTHON:-}"
@@ -21,6 +22,6 @@ torchrun_launch() {
   for a in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
     case "$a" in --nnodes*|--rdzv*|--master*|--node*) standalone=() ;; esac
   done
-  exec "$python" -m torch.distributed.run "${standalone[@]+"${standalone[@]}"}" --nproc-per-node="$NPROC" \
+  exec "$python" -m "${TORCHRUN_MODULE:-torch.distributed.run}" "${standalone[@]+"${standalone[@]}"}" --nproc-per-node="$NPROC" \
     "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}" -m "$module" "$@"
 }

@@ -284,9 +284,12 @@ def test_pointer_file_fallback(tmp_path):
 def test_prune_keeps_last_k_and_best(tmp_path):
     from deepspec.train import checkpoint as ckpt
 
+    from safetensors.torch import save_file
+
     for s in (2, 4, 6, 8):
         (tmp_path / f"step_{s}").mkdir()
-        (tmp_path / f"step_{s}" / ckpt.TRAINER_STATE).write_text("x")
+        torch.save({"step": s}, tmp_path / f"step_{s}" / ckpt.TRAINER_STATE)
+        save_file({"w": torch.zeros(1)}, str(tmp_path / f"step_{s}" / ckpt.WEIGHTS))
     (tmp_path / "step_10.tmp").mkdir()  # half-written: never a resume candidate
     ckpt.record_best(tmp_path, 2, "expected_tau", 3.0)
     ckpt.prune(tmp_path, keep_last=2)

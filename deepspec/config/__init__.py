@@ -30,7 +30,11 @@ def load_config(path: str | Path | None = None, opts: list[str] | None = None) -
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    return to_dict(cfg)
+    """The config as plain data, secrets (API keys, tokens, URL passwords) replaced by '<redacted>': this is what
+    every saved config.yaml, wandb's run config and results.json hold (deepspec/config/secrets.py)."""
+    from deepspec.config.secrets import redact
+
+    return redact(to_dict(cfg))
 
 
 def save_config(cfg: Config, directory: str | Path, name: str = "config.yaml") -> Path:

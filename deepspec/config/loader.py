@@ -109,7 +109,7 @@ def coerce(value: Any, tp: Any, *, from_text: bool = False) -> Any:
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         if from_text and isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _yaml_value(value)
         if isinstance(value, tuple):
             value = list(value)
         if not isinstance(value, list):
@@ -117,7 +117,7 @@ def coerce(value: Any, tp: Any, *, from_text: bool = False) -> Any:
         return [coerce(v, inner) for v in value]
     if origin is dict or tp is dict:
         if from_text and isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _yaml_value(value)
         if not isinstance(value, dict):
             raise _Mismatch
         return dict(value)
@@ -164,6 +164,14 @@ def coerce(value: Any, tp: Any, *, from_text: bool = False) -> Any:
             raise _Mismatch
         return value  # nested dataclasses are built by build_dataclass
     raise _Mismatch
+
+
+def _yaml_value(text: str) -> Any:
+    """An override's text as YAML (`[a, b]`, `{k: v}`); text that is not YAML does not fit (quote items with ':'/'?')."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise _Mismatch from None
 
 
 def all_keys(cls: type, prefix: str = "") -> list[str]:

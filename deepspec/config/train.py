@@ -41,6 +41,9 @@ class TrainConfig:
     # tokens too — the labels are the target's distributions, valid everywhere; helps small datasets.
     loss_tokens: Literal["assistant", "all"] = "assistant"
     grad_clip: float = 1.0
+    # A step whose loss or gradient norm is NaN / inf is skipped (no weight update, logged with its samples); this
+    # many in a row stop training with an error (0 = never stop). deepspec/train/guard.py
+    max_nonfinite_steps: int = 10
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # `auto`: bf16 autocast on GPU, fp32 on CPU. `bf16_if_native`: bf16 also on CPUs with AVX512-BF16 / AMX.
     precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
@@ -78,6 +81,8 @@ class TrainConfig:
             raise ConfigError(f"train.pack_tokens must be >= 0 (0 = no packing), got {self.pack_tokens}.")
         if self.loader_processes is not None and self.loader_processes < 0:
             raise ConfigError(f"train.loader_processes must be >= 0 or null (auto), got {self.loader_processes}.")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
         if self.num_workers < 0:
             raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}.")
         if self.max_steps is not None and self.max_steps < 1:

@@ -13,6 +13,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from deepspec.errors import DataError
+
+
+class MalformedLineError(DataError, ValueError):
+    """A line of a JSONL file that is not JSON (a ValueError as well, for callers that caught that before)."""
+
 
 def dumps(record: Any) -> str:
     """One JSON line (no newline) with non-ASCII kept readable."""
@@ -30,15 +36,20 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
                 yield lineno, text
 
 
+def parse_line(path: str | Path, lineno: int, text: str) -> Any:
+    """One JSON line; a malformed one is a DataError naming the file and line (a ValueError too)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MalformedLineError(
+            f"{path}:{lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line, or rebuild the "
+            "file with --overwrite."
+        ) from None
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete record of a JSONL file written by us (raises ValueError on a bad line)."""
-    out = []
-    for lineno, text in iter_lines(path):
-        try:
-            out.append(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-    return out
+    """Every complete record of a JSONL file written by us (a bad line raises MalformedLineError naming it)."""
+    return [parse_line(path, lineno, text) for lineno, text in iter_lines(path)]
 
 
 def repair_tail(path: str | Path) -> int:
@@ -89,7 +100,7 @@ class JsonlAppender:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(self.path)
-        self._fh = open(self.path, "ab")
+        self._fh = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves no bytes queued to flush later
         self._fsync = fsync
 
     def write(self, record: Any) -> None:
@@ -99,10 +110,19 @@ class JsonlAppender:
         data = b"".join((dumps(r) + "\n").encode("utf-8") for r in records)
         if not data:
             return
-        self._fh.write(data)  # one write call: a kill leaves at most one torn tail line
-        self._fh.flush()
-        if self._fsync:
-            os.fsync(self._fh.fileno())
+        from deepspec.diskfull import room_for
+
+        fd = self._fh.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        # a full disk cuts the file back to its last whole row (a kill can still leave one torn tail line, which
+        # readers skip and a resuming writer cuts)
+        with room_for(self.path, len(data), "rows to", cleanup=lambda: os.ftruncate(fd, start)):
+            view = memoryview(data)
+            while view:
+                n = self._fh.write(view)
+                view = view[n or 0:]
+            if self._fsync:
+                os.fsync(fd)
 
     def close(self) -> None:
         if not self._fh.closed:

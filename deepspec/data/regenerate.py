@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.data.engines import Engine, Job, JobResult, create_engine, resolve_engine_name
-from deepspec.data.jsonl import JsonlAppender, iter_lines, read_jsonl, repair_tail, write_json_atomic, write_jsonl_atomic
+from deepspec.data.jsonl import JsonlAppender, iter_lines, parse_line, read_jsonl, repair_tail, write_json_atomic, write_jsonl_atomic
 from deepspec.errors import DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
+from deepspec.train.preemption import fault_point, stop_on_signals
 
 log = get_logger(__name__)
 
@@ -82,8 +83,8 @@ def done_ids(output: Path, wanted: set[str]) -> set[str]:
     if cut:
         log.warning("%s: removed a torn last line (%d bytes) left by an interrupted run", output, cut)
     ids: list[str] = []
-    for _, text in iter_lines(output):
-        ids.append(str(json.loads(text)["id"]))
+    for lineno, text in iter_lines(output):
+        ids.append(str(parse_line(output, lineno, text)["id"]))
     unique = set(ids)
     if len(unique) != len(ids) or not unique <= wanted:
         kept, seen = [], set()
@@ -167,6 +168,7 @@ class _Sink:
                     "finish_reasons": r.finish_reasons}
             self.out.write({"id": r.id, "conversations": r.conversation, "meta": meta})
             self.done += 1
+            fault_point("regenerate-result")
         else:
             self.errors.write({"id": r.id, "error": r.error, "permanent": r.permanent, "time": time.time()})
             self.failed += 1
@@ -183,7 +185,16 @@ class _Sink:
 
 def regenerate(cfg, engine: str | None = None, urls: list[str] | None = None, overwrite: bool = False,
                which: str = "all", engine_obj: Engine | None = None) -> dict[str, Any]:
-    """Regenerate the train (and held-out) split; returns a summary. Complete splits cost only a scan."""
+    """Regenerate the train (and held-out) split; returns a summary. Complete splits cost only a scan.
+    One regeneration per data folder at a time (deepspec/locks.py)."""
+    from deepspec.locks import folder_lock
+
+    with folder_lock(cfg.data_dir, "regeneration"):
+        return _regenerate(cfg, engine, urls, overwrite, which, engine_obj)
+
+
+def _regenerate(cfg, engine: str | None, urls: list[str] | None, overwrite: bool, which: str,
+                engine_obj: Engine | None) -> dict[str, Any]:
     from deepspec.config import save_config
     from deepspec.data.engines.openai_engine import read_urls
 
@@ -202,7 +213,26 @@ def regenerate(cfg, engine: str | None = None, urls: list[str] | None = None, ov
     summary: dict[str, Any] = {"engine": name, "splits": {}}
     total_todo = sum(len(p[4]) for p in plan)
     own_engine = engine_obj is None and total_todo > 0
-    eng = engine_obj if engine_obj is not None else (create_engine(cfg, name, url_list) if total_todo else None)
+    eng = None
+
+    def saved() -> str:  # what a preempted run keeps: every answer written so far (whole, fsynced lines)
+        return "; ".join(f"{sum(1 for _ in iter_lines(p[1])) if p[1].exists() else 0} of {len(p[2])} answers are saved in {p[1]}"
+                         for p in plan)
+
+    with stop_on_signals("regenerate", saved):
+        eng = engine_obj if engine_obj is not None else (create_engine(cfg, name, url_list) if total_todo else None)
+        _run_splits(cfg, plan, eng, own_engine, summary)
+    for key in ("done", "skipped", "failed", "permanent_failures", "output_tokens"):
+        summary[key] = sum(s[key] for s in summary["splits"].values())
+    if total_todo:
+        summary["engine_version"] = eng.version
+        save_config(cfg, cfg.data_dir, name="regenerate.config.yaml")
+        write_json_atomic(cfg.data_dir / SUMMARY_NAME, summary)
+    return summary
+
+
+def _run_splits(cfg, plan: list, eng: Engine | None, own_engine: bool, summary: dict[str, Any]) -> None:
+    """Answer each split's remaining jobs, appending results as they arrive; closes the engine if it is ours."""
     try:
         for split, out, jobs, done, todo, state in plan:
             t0 = time.monotonic()
@@ -227,10 +257,3 @@ def regenerate(cfg, engine: str | None = None, urls: list[str] | None = None, ov
     finally:
         if own_engine and eng is not None:
             eng.close()
-    for key in ("done", "skipped", "failed", "permanent_failures", "output_tokens"):
-        summary[key] = sum(s[key] for s in summary["splits"].values())
-    if total_todo:
-        summary["engine_version"] = eng.version
-        save_config(cfg, cfg.data_dir, name="regenerate.config.yaml")
-        write_json_atomic(cfg.data_dir / SUMMARY_NAME, summary)
-    return summary

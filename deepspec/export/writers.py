@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from deepspec.drafts.checkpoint import load_draft, read_draft_config
+from deepspec.diskfull import room_for, tensor_bytes
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.targets.taps import to_dflash_layer_ids, to_vllm_aux_ids
 
@@ -312,14 +313,16 @@ def export_draft(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    keep = "The earlier export there is untouched; free" if out.exists() else "Free"
     try:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
-        (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))
-        recipe = Path(checkpoint) / "config.yaml"
-        if recipe.is_file():  # the fully resolved training recipe travels with the export
-            shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
+        with room_for(out, tensor_bytes(tensors), "the export", f"{keep} some space and rerun the export."):
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
+            (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))
+            recipe = Path(checkpoint) / "config.yaml"
+            if recipe.is_file():  # the fully resolved training recipe travels with the export
+                shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -13,6 +13,7 @@ symlinks replaced atomically, or small text files on filesystems without symlink
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepspec.diskfull import room_for, tensor_bytes
 from deepspec.errors import CheckpointError
 from deepspec.log import get_logger
 
@@ -68,15 +70,56 @@ def resolve_step_dir(path: str | Path) -> Path:
 
 
 def latest_step_dir(run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None. A half-written step_N.tmp is ignored."""
+    """The checkpoint to resume from, or None: step_latest if it is intact, else the newest intact step_N (a
+    half-written step_N.tmp is never one; a truncated or corrupt file is named in one warning and skipped)."""
     ptr = run_dir / "step_latest"
+    candidates: list[Path] = []
     if ptr.exists():
         try:
-            return resolve_step_dir(ptr)
+            candidates.append(resolve_step_dir(ptr))
         except CheckpointError:
             log.warning("step_latest in %s is broken; falling back to the newest complete step_N", run_dir)
-    steps = list_steps(run_dir)
-    return run_dir / f"step_{steps[-1]}" if steps else None
+    candidates += [run_dir / f"step_{s}" for s in reversed(list_steps(run_dir))]
+    seen: set[Path] = set()
+    skipped = False
+    for step_dir in candidates:
+        if step_dir.resolve() in seen:
+            continue
+        seen.add(step_dir.resolve())
+        damage = damaged(step_dir)
+        if damage is None:
+            if skipped:
+                log.warning("using %s, the newest intact checkpoint of %s", step_dir.name, run_dir)
+            return step_dir
+        skipped = True
+        log.warning("%s is damaged (%s); it is skipped (training it again overwrites it)", step_dir, damage)
+    return None
+
+
+def damaged(step_dir: Path) -> str | None:
+    """Why a training checkpoint cannot be resumed (a truncated or unreadable file), or None when it is intact.
+    Cheap: the trainer state is read, the weights' header and size are checked, the optimizer file is mapped."""
+    f = step_dir / TRAINER_STATE
+    try:
+        state = safe_torch_load(f)
+        if not isinstance(state, dict) or "step" not in state:
+            return f"{TRAINER_STATE} has no step"
+    except Exception as e:  # noqa: BLE001 - any failure to read means the file is damaged
+        return f"{TRAINER_STATE}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(step_dir / WEIGHTS), framework="pt") as w:
+            for key in list(w.keys())[-1:]:
+                w.get_slice(key)
+    except Exception as e:  # noqa: BLE001
+        return f"{WEIGHTS}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if (step_dir / OPTIMIZER_FILE).is_file():
+        try:
+            safe_torch_load(step_dir / OPTIMIZER_FILE, mmap=True)
+        except Exception as e:  # noqa: BLE001
+            return f"{OPTIMIZER_FILE}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
 
 
 def list_steps(run_dir: Path) -> list[int]:
@@ -96,6 +139,10 @@ def read_best(run_dir: Path) -> dict[str, Any] | None:
 
 
 def record_best(run_dir: Path, step: int, metric: str, value: float) -> None:
+    """Make `step` the best checkpoint. A non-finite value never becomes the best (NaN compares false anyway)."""
+    if not math.isfinite(value):
+        log.warning("validation of step %d gave %s=%s; step_best stays where it was", step, metric, value)
+        return
     data = {"step": step, "metric": metric, "value": value}
     tmp = run_dir / "best.json.tmp"
     tmp.write_text(json.dumps(data))
@@ -122,7 +169,8 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)  # plain data: loadable with weights_only=True
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -136,7 +184,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -189,19 +238,28 @@ def save_checkpoint(
         dist.all_gather_object(rngs, rng_state())
     else:
         rngs = [rng_state()]
+    previous = latest_step_dir(run_dir) if rank == 0 else None
+    after = (f"{previous} is intact; free some space and rerun the same command to resume from it." if previous
+             else "Free some space and rerun the same command.")
+    drop_tmp = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if rank == 0 else None
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         osd = get_optimizer_state_dict(model, optimizer)
-        dcp.save({"optimizer": osd}, checkpoint_id=str(tmp / OPTIMIZER_DCP))
+        with room_for(tmp / OPTIMIZER_DCP, lambda: tensor_bytes(osd), "the checkpoint's optimizer shards", after, drop_tmp):
+            dcp.save({"optimizer": osd}, checkpoint_id=str(tmp / OPTIMIZER_DCP))
     if rank == 0:
-        write_draft(tmp, weights)
-        save_config(tmp)
-        if not sharded:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), rng=rngs, world_size=_world())
-        torch.save(state, tmp / TRAINER_STATE)
+        def needed() -> int:
+            return tensor_bytes(weights) + (0 if sharded else tensor_bytes(optimizer.state_dict()))
+
+        with room_for(tmp, needed, "the checkpoint", after, drop_tmp):  # the previous step_N is untouched
+            write_draft(tmp, weights)
+            save_config(tmp)
+            if not sharded:
+                torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), rng=rngs, world_size=_world())
+            torch.save(state, tmp / TRAINER_STATE)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -244,7 +302,21 @@ def load_trainer_state(step_dir: Path) -> dict[str, Any]:
     f = step_dir / TRAINER_STATE
     if not f.is_file():
         raise CheckpointError(f"{step_dir} has no {TRAINER_STATE}; it is not a complete training checkpoint (delete it to restart).")
-    return torch.load(f, map_location="cpu", weights_only=False)
+    return safe_torch_load(f)
+
+
+def safe_torch_load(path: Path, mmap: bool = False) -> Any:
+    """torch.load that cannot run code (weights_only=True). Trainer states written before 2026-11-25 hold numpy's
+    RNG state as an array: numpy's array reconstruction (and nothing else) is allowed for them."""
+    import numpy as np
+
+    allowed: list[Any] = [np.dtype, np.ndarray]
+    try:
+        allowed += [np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    except AttributeError:  # numpy 1.x
+        allowed += [np.core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def load_weights(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -271,4 +343,4 @@ def load_optimizer(step_dir: Path, model: nn.Module, optimizer: torch.optim.Opti
     f = step_dir / OPTIMIZER_FILE
     if not f.is_file():
         raise CheckpointError(f"{step_dir} was saved with FSDP (no {OPTIMIZER_FILE}); resume it with train.parallel=fsdp.")
-    optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=False))
+    optimizer.load_state_dict(safe_torch_load(f))

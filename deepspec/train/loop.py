@@ -13,7 +13,8 @@ A draft may weight its micro-batch itself: when `loss()` returns the reserved me
 sampling), that weight replaces the micro-batch's supervised-token count, in backward and in the
 global normalisation alike.
 
-The loop never waits for the device inside a step: batches are staged to the GPU one ahead
+The loop waits for the device once per step, after the backward pass, for one scalar: whether the step's loss and
+gradient norm are finite (deepspec/train/guard.py). Otherwise batches are staged to the GPU one ahead
 (deepspec/train/staging.py), losses, token counts and metrics accumulate on the device, the gradient
 scale is applied as a device tensor, and values come to the host only on logged steps (and for
 validation / checkpoints).
@@ -35,6 +36,7 @@ from torch import nn
 
 from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
+from deepspec.locks import folder_lock
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
 from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_lengths, supervise_all_tokens
@@ -42,6 +44,8 @@ from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, redu
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
 from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, unwrap, wrap
+from deepspec.train.guard import NonFiniteGuard
+from deepspec.train.preemption import PreemptionWatch
 from deepspec.train.precision import resolve_precision, setup_precision
 from deepspec.train.loader import build_loader, resolve_processes
 from deepspec.train.staging import DeviceStager
@@ -74,7 +78,8 @@ def train(cfg, parts: TrainParts | None = None) -> Path:
     """
     info = init_distributed()
     try:
-        return _train(cfg, info, parts)
+        with folder_lock(cfg.run_dir, "training run", enabled=info.is_main):  # one run per folder (deepspec/locks.py)
+            return _train(cfg, info, parts)
     finally:
         teardown(info)
 
@@ -196,6 +201,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     staged = DeviceStager(loader, info.device, torch.float32)  # features cross in the cache dtype, widened there
     n_micro = plan.accum_steps
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    preempt = PreemptionWatch(info.is_main)  # SIGTERM / SIGUSR1: checkpoint the step, exit 128 + signal
+    guard = NonFiniteGuard(tcfg.max_nonfinite_steps, plan, parts.train_data, info.is_main)
     try:
         while step < total_steps:
             local_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -239,7 +246,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            if guard.ok(step + 1, stats[1], grad_norm):  # NaN / inf loss or gradients: no update (train/guard.py)
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -280,7 +288,10 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                     ckpt.prune(run_dir, tcfg.keep_last)  # the previous best may now be outside keep_last
             if _KILL_AFTER is not None and step == _KILL_AFTER and info.is_main:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash/resume tests
+            if step < total_steps and preempt.requested():  # every rank agrees at the same step
+                preempt.stop(step, lambda: last_dir == run_dir / f"step_{step}" or save(step, None))
     finally:
+        preempt.close()
         loader.close()
         bar.close()
         loggers.close()

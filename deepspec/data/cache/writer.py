@@ -26,11 +26,13 @@ import numpy as np
 from deepspec import __version__
 from deepspec.data.cache import format as fmt
 from deepspec.cpus import threads_per_worker
+from deepspec.diskfull import room_for
 from deepspec.data.chat import render_conversation
 from deepspec.errors import CacheError, DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
 from deepspec.targets.load import resolve_dtype_name
+from deepspec.train.preemption import Preempted, fault_point, stop_on_signals
 
 log = get_logger(__name__)
 
@@ -296,29 +298,41 @@ def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer)
     # in the shard in this order; the index keeps plan order, each row with its record's byte offset.
     row_of = {id(x): j for j, x in enumerate(samples)}
     by_length = sorted(samples, key=lambda x: len(x.input_ids))
+    with room_for(bin_path, plan.shard_bytes(s), "the cache shard"):
+        counts = _capture_shard(tmp, by_length, plan, s, featurize, bar, rows, counts, row_of)
+        os.replace(tmp, bin_path)
+        fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
+        fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)  # last: marks the shard done
+
+
+def _capture_shard(tmp: Path, by_length: list[Sample], plan: Plan, s: int, featurize, bar, rows, counts, row_of) -> np.ndarray:
+    """Capture a shard's samples into `tmp` (fsynced), filling `rows`; returns the token counts. A failure removes `tmp`."""
     offset = 0
-    with open(tmp, "wb") as f:
-        for batch in _batches(by_length, plan.signature["batch_tokens"]):
-            nbytes = 0
-            for sample, feats in featurize(batch):
-                data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
-                f.write(data)
-                n_loss = int(sample.loss_mask.sum())
-                rows[row_of[id(sample)]] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
-                lm = sample.input_ids[sample.loss_mask.astype(bool)]
-                if len(lm) and lm.max() >= len(counts):
-                    counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
-                np.add.at(counts, lm, 1)
-                offset += len(data)
-                nbytes += len(data)
-            bar.update(sum(len(x.input_ids) for x in batch))
-            bar.bytes_written += nbytes
-            bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, bin_path)
-    fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
-    fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)  # last: marks the shard done
+    try:
+        with open(tmp, "wb") as f:
+            for batch in _batches(by_length, plan.signature["batch_tokens"]):
+                nbytes = 0
+                for sample, feats in featurize(batch):
+                    data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
+                    f.write(data)
+                    n_loss = int(sample.loss_mask.sum())
+                    rows[row_of[id(sample)]] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
+                    lm = sample.input_ids[sample.loss_mask.astype(bool)]
+                    if len(lm) and lm.max() >= len(counts):
+                        counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
+                    np.add.at(counts, lm, 1)
+                    offset += len(data)
+                    nbytes += len(data)
+                bar.update(sum(len(x.input_ids) for x in batch))
+                bar.bytes_written += nbytes
+                bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
+                fault_point("cache-batch")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial shard is never kept: a rerun rewrites the whole shard
+        raise
+    return counts
 
 
 def shard_done(directory: Path, plan: Plan, s: int) -> bool:
@@ -343,9 +357,15 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
     total_tokens = sum(x.length for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
     bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
     bar.bytes_written = 0
+
+    def saved() -> str:
+        done = sum(shard_done(directory, plan, s) for s in range(len(plan.shards)))
+        return f"{done} of {len(plan.shards)} shards of {directory} are complete (the shard being written was discarded)"
+
     try:
-        for s in todo:
-            _write_shard(directory, plan, s, featurize, bar, tokenizer)
+        with stop_on_signals(f"cache {plan.signature['split']}", saved):
+            for s in todo:
+                _write_shard(directory, plan, s, featurize, bar, tokenizer)
     finally:
         bar.close()
         close()
@@ -483,6 +503,22 @@ def _spawned_worker(rank: int, world: int, port: int, cfg, split: str, threads: 
             dist.destroy_process_group()
 
 
+def _spawn_workers(mp, nproc: int, args: tuple) -> None:
+    """mp.spawn, passing SIGTERM / SIGUSR1 on to the workers (each discards its partial shard) before exiting."""
+    ctx = mp.spawn(_spawned_worker, args=args, nprocs=nproc, join=False)
+    try:
+        with stop_on_signals("cache", lambda: "complete shards are kept"):
+            while not ctx.join():
+                pass
+    except Preempted as e:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, e.signum)
+        for proc in ctx.processes:
+            proc.join(60)
+        raise
+
+
 def _load_plan_inputs(cfg):
     from transformers import AutoConfig
 
@@ -515,7 +551,16 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
     """Build (or resume) the cache of one split; returns its directory. Skips a complete matching cache.
 
     Workers: under torchrun (WORLD_SIZE > 1) each rank takes its shards and rank 0 finalizes;
-    otherwise `nproc` (default cache.num_workers) CPU processes are spawned. `session`: see `build_caches`."""
+    otherwise `nproc` (default cache.num_workers) CPU processes are spawned. `session`: see `build_caches`.
+    One build per folder: rank 0 (or the single process) holds the split folder's lock (deepspec/locks.py)."""
+    from deepspec.locks import folder_lock
+
+    _, directory = split_paths(cfg, split)
+    with folder_lock(directory, "cache build", enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _build_cache(cfg, split, overwrite=overwrite, nproc=nproc, session=session)
+
+
+def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session: CaptureSession | None) -> Path:
     from deepspec.config import save_config
 
     _, directory = split_paths(cfg, split)
@@ -560,7 +605,7 @@ def build_cache(cfg, split: str = "train", *, overwrite: bool = False, nproc: in
 
             threads = threads_per_worker(nproc)
             try:
-                mp.spawn(_spawned_worker, args=(nproc, _free_port(), cfg, split, threads), nprocs=nproc, join=True)
+                _spawn_workers(mp, nproc, (nproc, _free_port(), cfg, split, threads))
             except mp.ProcessRaisedException as e:
                 last = str(e).strip().splitlines()[-1]
                 raise CacheError(f"A cache worker failed ({last}); fix the cause and rerun the same command to resume.") from None

@@ -1,0 +1,149 @@
+"""Preemption: SIGTERM / SIGUSR1 end training at a step boundary with a checkpoint, so a rerun loses no step.
+
+Schedulers ask a job to stop before they kill it: Slurm sends SIGTERM on preemption (and the signal of
+`#SBATCH --signal=USR1@120` two minutes before the time limit), Kubernetes sends SIGTERM and waits
+`terminationGracePeriodSeconds`. A worker that receives either signal only sets a flag; after the current optimizer
+step the workers agree on it (one all-reduce of a one-element CPU tensor per step, over gloo, so it never waits on
+the GPU), every rank writes the checkpoint of that step, rank 0 logs one line, and the process exits with status
+128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1): the job did not finish, so a scheduler's or a
+Kubernetes Job's restart policy restarts it, and the same command resumes from exactly that step.
+
+The torchrun wrapper (`python -m deepspec.train.launcher`, what scripts/train/train.sh runs) forwards both signals to
+the workers and waits `DEEPSPEC_PREEMPT_GRACE_S` seconds (default 120) for them before torchrun's SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+GRACE_ENV = "DEEPSPEC_PREEMPT_GRACE_S"
+DEFAULT_GRACE_S = 120
+
+
+def grace_seconds() -> int:
+    """Seconds a launcher waits for preempted workers to checkpoint and exit before it kills them."""
+    try:
+        return max(1, int(float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))))
+    except ValueError:
+        return DEFAULT_GRACE_S
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is written (or, in data stages, at the signal): the process exits with
+    128 + the signal's number unless someone catches it."""
+
+    def __init__(self, signum: int, step: int = 0):
+        super().__init__(128 + signum)
+        self.signum, self.step = signum, step
+
+
+class PreemptionWatch:
+    """Turns SIGTERM / SIGUSR1 into a flag that every rank reads at the same step.
+
+    Handlers are installed in the main thread only (Python delivers signals there) and restored by `close()`.
+    """
+
+    def __init__(self, is_main: bool = True):
+        self.is_main = is_main
+        self.signum = 0
+        self.received_at = 0.0
+        self._previous: dict[int, object] = {}
+        import torch.distributed as dist
+
+        self._group = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # the flag travels over gloo on the host: agreeing on it never synchronises with a GPU stream
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._multi = True
+        else:
+            self._multi = False
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.signum:
+            self.signum, self.received_at = signum, time.monotonic()
+
+    def requested(self) -> bool:
+        """True on every rank once any rank received a signal (collective when there are several ranks)."""
+        if not self._multi:
+            return bool(self.signum)
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.signum = int(flag.item())
+        return bool(self.signum)
+
+    def stop(self, step: int, save: Callable[[], object]) -> None:
+        """Write the checkpoint of `step` (every rank; `save` is a no-op when it exists), log one line, raise Preempted."""
+        t0 = time.monotonic()
+        save()
+        if self.is_main:
+            name = signal.Signals(self.signum).name
+            log.warning(
+                "%s received: stopped after step %d with checkpoint step_%d (written in %.1f s, %.1f s after the signal); "
+                "rerun the same command to resume from it (exit status %d)",
+                name, step, step, time.monotonic() - t0, time.monotonic() - (self.received_at or t0), 128 + self.signum,
+            )
+        raise Preempted(self.signum, step)
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous = {}
+
+
+# ----------------------------------------------------------------------------- data stages
+
+
+@contextlib.contextmanager
+def stop_on_signals(stage: str, saved: Callable[[], str]):
+    """SIGTERM / SIGUSR1 during a data stage (regenerate, cache): raise Preempted in the main thread at once, so
+    `finally` blocks close engines and remove partial files; complete rows / shards are already durable. Logs one
+    line: `saved()` says what is kept. Outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame) -> None:
+        raise Preempted(signum, 0)
+
+    previous = {sig: signal.signal(sig, handle) for sig in SIGNALS}
+    try:
+        yield
+    except Preempted as e:
+        for sig, handler in previous.items():  # a second signal while cleaning up must not interrupt the cleanup
+            signal.signal(sig, signal.SIG_IGN)
+        log.warning("%s: %s received; %s; rerun the same command to continue (exit status %d)",
+                    stage, signal.Signals(e.signum).name, saved(), e.code)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_FAULT_COUNTS: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for tests: DEEPSPEC_FAULT_SIGTERM=<name>:<n> makes this process send itself a real SIGTERM
+    the n-th time it passes `name` (e.g. cache-batch:3 = after the third captured batch, mid-shard)."""
+    spec = os.environ.get("DEEPSPEC_FAULT_SIGTERM")
+    if not spec or not spec.startswith(name + ":"):
+        return
+    _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    if _FAULT_COUNTS[name] == int(spec.rsplit(":", 1)[1]):
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,368 @@
+"""Training under faults, with real processes and real signals on a tiny random Llama target's real cache:
+preemption (SIGTERM to the launcher, SIGUSR1 to one worker only), non-finite losses, two runs on one folder,
+corrupt checkpoints at resume. docs/reliability.md quotes what these tests measure."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _conversation(rng: random.Random, i: int) -> dict:
+    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
+    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 20)))
+    return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+
+    root = tmp_path_factory.mktemp("faults")
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(16)))
+    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(4)))
+    path = root / "recipe.yaml"
+    path.write_text(
+        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
+project: f
+exp: e3
+output_root: {root}/out
+target: {{name: {tiny_llama_dir}}}
+data: {{dir: {data}}}
+cache: {{max_length: 64}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false}}
+train:
+  output_root: {root}/ckpt
+  optimizer: adamw
+  global_batch_size: 4
+  micro_batch_size: 1
+  max_steps: 40
+  save_every: 1000
+  val_every: 1000
+  log_every: 1
+  keep_last: 2
+  num_workers: 0
+logging: {{progress: false, wandb: false, tensorboard: false}}
+"""
+    )
+    cfg = load_config(path)
+    build_cache(cfg, "train")
+    build_cache(cfg, "heldout")
+    return path
+
+
+@pytest.fixture
+def logs(caplog):
+    """caplog for deepspec's logger, which stops propagating once a CLI entry point configured logging."""
+    import logging
+
+    logger = logging.getLogger("deepspec")
+    logger.addHandler(caplog.handler)
+    caplog.set_level("INFO", logger="deepspec")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _cfg(recipe: Path, *opts: str):
+    from deepspec.config import load_config
+
+    return load_config(recipe, list(opts))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", PYTHONPATH=str(REPO),
+               CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    for key in ("DEEPSPEC_TRAIN_KILL_AFTER_STEP", "WANDB_SERVICE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _train_sh(recipe: Path, nproc: int, *opts: str, **env: str) -> subprocess.Popen:
+    cmd = ["bash", str(REPO / "scripts/train/train.sh"), str(recipe), "--nproc", str(nproc), "--opts", *opts]
+    return subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    f = run_dir / "train_log.jsonl"
+    if not f.is_file():
+        return []
+    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()]
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended before step {step}: {proc.stderr.read()[-3000:]}")
+        if any(s >= step for s in _logged_steps(run_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} after {timeout} s")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        raise AssertionError(f"did not exit within {timeout} s: {err[-3000:]}")
+    return proc.returncode, err
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(p.name))
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "model.safetensors"))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_the_rerun_loses_none(recipe):
+    """SIGTERM to train.sh (2 workers) mid-run: exit status 143 with a checkpoint of the last finished step (0 steps
+    lost); the same command resumes from it and ends with the weights of an uninterrupted run."""
+    from deepspec.train import train
+    from deepspec.train.checkpoint import latest_step_dir, load_trainer_state
+
+    opts = ("run.name=term",)
+    run_dir = _cfg(recipe, *opts).run_dir
+    proc = _train_sh(recipe, 2, *opts)
+    _wait_for_step(proc, run_dir, 3)
+    proc.send_signal(signal.SIGTERM)  # the process train.sh exec'ed: deepspec's torchrun wrapper
+    rc, err = _finish(proc)
+    assert rc == 143, err[-3000:]
+    done = _logged_steps(run_dir)[-1]
+    saved = latest_step_dir(run_dir)
+    assert saved.name == f"step_{done}" and load_trainer_state(saved)["step"] == done  # steps lost: 0
+    assert f"SIGTERM received: stopped after step {done} with checkpoint step_{done}" in err
+    assert "Traceback" not in err, err[-3000:]
+    assert done < 40
+
+    rc, err = _finish(_train_sh(recipe, 2, *opts))
+    assert rc == 0, err[-3000:]
+    assert f"resuming from {saved}" in err and f"step {done}," in err
+    reference = _cfg(recipe, "run.name=reference")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        ref = train(reference)
+    assert _max_diff(_weights(ref), _weights(run_dir / "step_40")) < 1e-5
+    assert _logged_steps(run_dir) == list(range(1, 41))
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(recipe):
+    """Slurm's --signal may reach one process only: the flag is all-reduced, so both ranks checkpoint the same step."""
+    from deepspec.train.checkpoint import latest_step_dir, load_trainer_state
+
+    opts = ("run.name=usr1",)
+    run_dir = _cfg(recipe, *opts).run_dir
+    proc = _train_sh(recipe, 2, *opts)
+    _wait_for_step(proc, run_dir, 2)
+    workers = {_rank_of(pid): pid for pid in _children(proc.pid)}
+    assert set(workers) == {0, 1}, workers
+    os.kill(workers[1], signal.SIGUSR1)
+    rc, err = _finish(proc)
+    assert rc == 138, err[-3000:]
+    done = _logged_steps(run_dir)[-1]
+    state = load_trainer_state(latest_step_dir(run_dir))
+    assert state["step"] == done and len(state["rng"]) == 2  # both ranks took part in the checkpoint
+    assert "SIGUSR1 received" in err and "Traceback" not in err, err[-3000:]
+
+
+# ----------------------------------------------------------------------------- non-finite numbers
+
+
+class _Poisoned:
+    """The cache's samples, with NaN features for the chosen indices (a corrupt row in a real cache)."""
+
+    def __init__(self, data, bad: set[int]):
+        self.data, self.bad = data, bad
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        sample = self.data[i]
+        if i in self.bad:
+            sample = dict(sample, taps=torch.full_like(sample["taps"], float("nan")))
+        return sample
+
+    def __getattr__(self, name: str):
+        if name in ("data", "bad"):
+            raise AttributeError(name)
+        return getattr(self.data, name)
+
+
+def _train_poisoned(cfg, bad: set[int]):
+    from deepspec.train import train
+    from deepspec.train.build import build_parts
+    from deepspec.train.dist import DistInfo
+
+    parts = build_parts(cfg, DistInfo(0, 1, 0, torch.device("cpu"), False))
+    parts.train_data = _Poisoned(parts.train_data, bad if bad != {"all"} else set(range(len(parts.train_data))))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        return train(cfg, parts)
+
+
+def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_checkpoint(recipe, logs):
+    """A NaN row makes its steps' loss NaN: those steps leave the weights exactly as they were and are logged with
+    their samples; 3 non-finite steps in a row stop training and step_latest stays the last good checkpoint."""
+    from deepspec.train.batches import BatchPlan
+    from deepspec.train.checkpoint import latest_step_dir
+    from deepspec.train.guard import NonFiniteLossError
+
+    opts = ("run.name=nan", "train.max_steps=8", "train.save_every=1", "train.keep_last=20", "train.max_nonfinite_steps=3")
+    cfg = _cfg(recipe, *opts)
+    plan = BatchPlan(16, 4, 1, 1, cfg.train.seed, cfg.train.bucketing)
+    bad_sample = plan.global_indices(2)[0]  # in step 3 (and once in steps 5-8, the second epoch)
+    bad_steps = [s + 1 for s in range(8) if bad_sample in plan.global_indices(s)]
+    assert bad_steps[0] == 3 and len(bad_steps) == 2
+    out = _train_poisoned(cfg, {bad_sample})
+    run_dir = cfg.run_dir
+    rows = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()}
+    for s in range(1, 9):
+        before, after = _weights(run_dir / f"step_{s - 1}") if s > 1 else None, _weights(run_dir / f"step_{s}")
+        assert all(torch.isfinite(v).all() for v in after.values())
+        if s in bad_steps:
+            assert rows[s]["train/loss"] != rows[s]["train/loss"]  # NaN logged as it was
+            assert _max_diff(before, after) == 0.0  # no update at all
+        elif before is not None:
+            assert _max_diff(before, after) > 0
+    assert out.name == "step_8"
+    sid = str(json.loads((cfg.cache_train_dir / "ids.json").read_text())[bad_sample])
+    assert any(f"step {bad_steps[0]} skipped" in r.getMessage() and sid in r.getMessage() for r in logs.records)
+
+    # every sample poisoned from now on: steps 9, 10, 11 are non-finite -> a sentence; the newest checkpoint holds
+    # step 8's weights (the skipped steps 9 and 10 were saved unchanged) and step 11 was not saved
+    more = _cfg(recipe, *opts, "train.max_steps=12", "run.allow_changes=true")
+    with pytest.raises(NonFiniteLossError, match="3 steps in a row .*up to step 11"):
+        _train_poisoned(more, {"all"})
+    latest = latest_step_dir(run_dir)
+    assert latest.name == "step_10" and _max_diff(_weights(latest), _weights(run_dir / "step_8")) == 0.0
+
+
+# ----------------------------------------------------------------------------- corrupt checkpoints, secrets
+
+
+def test_truncated_checkpoint_falls_back_to_the_newest_intact_step_and_secrets_stay_out_of_the_run(recipe, logs):
+    """step_4's weights cut in half (a disk that filled up, a copy that stopped): the rerun says which file is damaged,
+    resumes from step_2 and ends where an uninterrupted run ends. An API key and a URL password given as overrides
+    appear in no file of the run folder."""
+    from deepspec.train import train
+
+    secret_opts = ("data.regenerate.urls=[http://user:hunter2@127.0.0.1:9]", "eval.engine_extra_args=[--api-key,sk-SECRET42]")
+    opts = ("run.name=corrupt", "train.max_steps=4", "train.save_every=2", "train.keep_last=3", *secret_opts)
+    cfg = _cfg(recipe, *opts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        first = train(cfg)
+        assert first.name == "step_4"
+        weights = first / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        again = train(_cfg(recipe, *opts))
+        reference = train(_cfg(recipe, "run.name=corrupt-ref", *opts[1:]))
+    assert any("step_4 is damaged (model.safetensors: SafetensorError" in r.getMessage() for r in logs.records)
+    assert any("resuming from" in r.getMessage() and "step_2" in r.getMessage() for r in logs.records)
+    assert again.name == "step_4" and _max_diff(_weights(again), _weights(reference)) < 1e-6
+    leaked = [p for p in cfg.run_dir.rglob("*") if p.is_file() and (b"hunter2" in p.read_bytes() or b"sk-SECRET42" in p.read_bytes())]
+    assert not leaked, leaked
+    assert "<redacted>" in (cfg.run_dir / "config.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------- full disks (RLIMIT_FSIZE: EFBIG)
+
+
+def _file_size_limit(limit: int):
+    """preexec_fn: files of the child may not grow past `limit` bytes (ulimit -f); SIGXFSZ ignored, so a write
+    past it fails with EFBIG as it would with ENOSPC on a full disk."""
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return apply
+
+
+def _cli_limited(limit: int | None, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepspec.cli", *args], env=_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=_file_size_limit(limit) if limit else None)
+
+
+def test_full_disk_while_checkpointing_and_exporting_keeps_the_previous_ones_and_the_rerun_continues(recipe):
+    """The weights (231 KB) do not fit under a 150 KB file-size limit: one sentence with the path and the bytes,
+    step_2 stays the intact newest checkpoint, no partial step_4 exists; without the limit the same command resumes
+    from step_2. An export under the limit leaves no folder behind."""
+    from deepspec.train import train
+    from deepspec.train.checkpoint import damaged, latest_step_dir
+
+    opts = ("run.name=disk", "train.max_steps=2", "train.save_every=2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        train(_cfg(recipe, *opts))
+    run_dir = _cfg(recipe, *opts).run_dir
+    more = ["--opts", *opts, "train.max_steps=4", "run.allow_changes=true"]
+    full = _cli_limited(150_000, "train", str(recipe), *more)
+    assert full.returncode == 2, full.stderr[-3000:]
+    errors = [ln for ln in full.stderr.splitlines() if ln.startswith("deepspec: error:")]
+    assert len(errors) == 1 and f"No room to write the checkpoint {run_dir / 'step_4.tmp'}: it needs about " in errors[0]
+    assert "files may not exceed 150,000 bytes" in errors[0] and f"{run_dir / 'step_2'} is intact" in errors[0]
+    assert latest_step_dir(run_dir).name == "step_2" and damaged(run_dir / "step_2") is None
+    assert not (run_dir / "step_4").exists() and not (run_dir / "step_4.tmp").exists()  # partial bytes kept: 0
+    again = _cli_limited(None, "train", str(recipe), *more)
+    assert again.returncode == 0 and "resuming from" in again.stderr and "step_2 (step 2" in again.stderr, again.stderr[-3000:]
+    assert latest_step_dir(run_dir).name == "step_4"
+
+    out = run_dir / "export-vllm"
+    exported = _cli_limited(60_000, "export", str(run_dir / "step_4"), "--out", str(out), "--dtype", "float32")
+    assert exported.returncode == 2 and "No room to write the export" in exported.stderr, exported.stderr[-3000:]
+    assert not out.exists() and not list(run_dir.glob(".export-vllm.tmp*"))
