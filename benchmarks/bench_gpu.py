@@ -1,19 +1,31 @@
 #!/usr/bin/env python
 """GPU figures: training at users' scale beside the peer trainer, the recipes on torchrun + NCCL (DDP / FSDP2 /
-torch.compile), and speculative decoding on CUDA, on random-weight targets built from configs. Prints one JSON object.
+torch.compile), and speculative decoding on CUDA, on random-weight targets built from configs.
 
-    python benchmarks/bench_gpu.py --peer-wheels .peer-wheels      # on a CUDA machine: the `scale` section (default)
-    python benchmarks/bench_gpu.py --sections recipes              # the recipe / evaluator section described below
-    python benchmarks/bench_gpu.py --tiny --variants ddp fsdp      # a quick CPU check of the recipes section
-    python benchmarks/bench_gpu.py --scale-shape smollm2 --scale-seq-len 512 --scale-long-seq-len 1024 --no-peer
-                                                                   # a quick CPU check of the scale section's code path
+One invocation = one `--row`, each well under 10 minutes on an H100 (docs/training.md lists the commands):
 
-Section `scale` (benchmarks/bench_train.py, one subprocess per row): a Qwen3-8B-shaped
-target (random embedding / norm / LM head), EAGLE-3 and DFlash at `--scale-seq-len` (4096) tokens per sample, bf16:
-our tokens/s, peak GPU memory, MFU (FLOPs counted by torch), and `speculators` 0.9.0 training the same EAGLE-3 on the
-same samples on the same GPU (its wheels, made by `bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with
-pip --target into /tmp/peer-site and run with this python; `--no-peer` skips it); then one EAGLE-3 sample of
-`--scale-long-seq-len` (32768) tokens, which must train without running out of memory.
+    python benchmarks/bench_gpu.py --row ours  --out R.jsonl     # Qwen3-8B-shaped EAGLE-3 + DFlash at 4,096 tokens
+    python benchmarks/bench_gpu.py --row peer  --out R.jsonl --peer-wheels .peer-wheels   # EAGLE-3, ours + the peer
+    python benchmarks/bench_gpu.py --row long  --out R.jsonl     # one 32,768-token EAGLE-3 sample, activation checkpointing
+    python benchmarks/bench_gpu.py --row cache --out R.jsonl     # EAGLE-3 + DFlash trained from an on-disk cache
+    python benchmarks/bench_gpu.py --row recipes --out R.jsonl   # the recipe / evaluator section described below
+    python benchmarks/bench_gpu.py --smoke --row ours            # any row on tiny shapes: a CPU check of its code path
+
+Output: JSON lines, each written (flushed, fsynced) to `--out` and stdout as soon as it exists: first the
+environment, then one line per measured row, then the invocation's summary, so a row that finished is never lost
+to a later one that hangs. Every measurement runs in a process group of its own (benchmarks/_procs.py): past its
+time the whole tree (torchrun and its workers, compile workers, loader processes) is killed and an error line says so.
+
+Rows ours / peer / long / cache (benchmarks/bench_train.py, one subprocess per row): a Qwen3-8B-shaped target
+(random embedding / norm / LM head), bf16, `--scale-seq-len` (4096) tokens per sample: our tokens/s, peak GPU memory
+(torch.cuda.max_memory_allocated), MFU (the model's bf16 FLOPs over the GPU's dense bf16 peak; fp32 FLOPs are
+reported beside it, not counted). `peer`: `speculators` 0.9.0 training the same EAGLE-3 on the same samples on the
+same GPU right after ours (its wheels, made by `bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with pip
+--target into /tmp/peer-site and run with this python). `long`: one EAGLE-3 sample of `--scale-long-seq-len` (32768)
+tokens with `model.activation_checkpointing=true`, which must train without running out of memory. `cache`: the
+samples are written as an on-disk cache (the format's own writer functions, the shape's taps, width and bf16) and
+trained through the trainer's data path: open_cache, the cache reader and the training loader, so tokens/s includes
+the reader.
 
 Section `recipes`:
 
@@ -37,9 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _procs import GroupTimeout, last_error, run_group  # noqa: E402  (a process group per measurement)
 from bench_train import _conversations, _opts  # noqa: E402  (shared synthetic data and trainer overrides)
 
 # name -> (family, config overrides of deepspec.targets.tiny.tiny_config, recipe target, extra recipe overrides)
@@ -96,34 +106,17 @@ def save_random_target(path: Path, shape: str, device: str) -> Path:
     return path
 
 
-def _train_run(recipe: str, opts: list[str], timeout: int, log: Path) -> dict:
-    """One torchrun worker running bench_train's child (NCCL on a GPU, gloo on CPU); its figures.
-    Its stdout / stderr go to `log`.out / .err (files, not pipes: compile workers may outlive a killed worker)."""
+def _train_run(recipe: str, opts: list[str], timeout: float, log: Path) -> dict:
+    """One torchrun worker running bench_train's child (NCCL on a GPU, gloo on CPU) in a process group of its own;
+    its figures. Its stdout / stderr go to `log`.out / .err (files, not pipes). Past `timeout` the whole tree is killed:
+    SIGTERM first (torchrun stops its worker, which runs in a session of its own), then SIGKILL to every group of it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(REPO / "benchmarks" / "bench_train.py"), "--_child", recipe, json.dumps(opts)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    log.parent.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # SIGTERM first: torchrun then stops its worker, which runs in a session of its own (a SIGKILL to torchrun's
-            # group left it training on the GPU beside the next run, seen on the H100)
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            raise RuntimeError(f"did not finish within --run-timeout {timeout} s (log: {err_path})") from None
+    proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout_path=out_path, stderr_path=err_path)
     if proc.returncode != 0:
-        lines = [ln for ln in err_path.read_text().splitlines() if ln.strip()]
-        # the worker's own exception, not torchrun's summary of it
-        errors = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b|error:", ln) and "elastic" not in ln and "ChildFailedError" not in ln]
-        raise RuntimeError(f"exit {proc.returncode}: " + " | ".join((errors or lines)[-3:]))
-    return json.loads(out_path.read_text().strip().splitlines()[-1])
+        raise RuntimeError(f"exit {proc.returncode}: " + last_error(proc.stderr))  # the worker's own exception
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _eval_run(ckpt: Path, dtype: str, args, out_dir: Path) -> dict:
@@ -149,34 +142,47 @@ def _eval_run(ckpt: Path, dtype: str, args, out_dir: Path) -> dict:
     }
 
 
-def _bench_train(argv: list[str], timeout: int) -> dict:
-    """benchmarks/bench_train.py with `argv`; its JSON (or an error row)."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), *argv]
+def _bench_train(argv: list[str], timeout: float, jsonl: Path | None, log: Path) -> dict:
+    """benchmarks/bench_train.py with `argv` in a process group of its own; its rows go to `jsonl` as each finishes.
+    Returns its summary (or an error row: the rows it finished are in `jsonl` already)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), *argv, "--row-timeout", str(int(max(60, timeout - 30)))]
+    if jsonl is not None:
+        cmd += ["--jsonl", str(jsonl)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"bench_train {' '.join(argv)} did not finish within {timeout} s"}
+        proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout_path=log.with_suffix(".out"),
+                         stderr_path=log.with_suffix(".err"))
+    except GroupTimeout as e:
+        return {"error": f"{e} (finished rows are above; log: {log.with_suffix('.err')})"}
     if proc.returncode != 0:
-        return {"error": " | ".join([ln for ln in proc.stderr.splitlines() if ln.strip()][-3:])}
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+        return {"error": last_error(proc.stderr)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def scale_runs(args, work: Path) -> dict:
-    """Qwen3-8B-shaped EAGLE-3 / DFlash at 4k tokens beside the peer, then one 32k-token EAGLE-3 sample."""
-    peer: list[str] = ["--no-peer"] if args.no_peer else []
-    if not args.no_peer and args.peer_wheels:
-        site = Path("/tmp/peer-site")
-        wheels = sorted(str(w) for w in Path(args.peer_wheels).glob("*.whl"))
-        rc = subprocess.call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                              "--target", str(site), *wheels])
-        peer = ["--peer-python", sys.executable, "--peer-pythonpath", str(site)] if rc == 0 else ["--no-peer"]
-    common = ["--shape", args.scale_shape, "--steps", str(args.scale_steps)]
-    out = {"shape": args.scale_shape}
-    out["throughput"] = _bench_train([*common, "--seq-len", str(args.scale_seq_len), "--algorithms", *args.scale_algorithms,
-                                      "--workdir", str(work / "scale"), *peer], timeout=340)
-    out["long_sample"] = _bench_train([*common, "--steps", "2", "--seq-len", str(args.scale_long_seq_len), "--algorithms",
-                                       "eagle3", "--no-peer", "--workdir", str(work / "scale-long")], timeout=200)
-    return out
+def scale_row(row: str, args, work: Path, jsonl: Path | None, timeout: float) -> dict:
+    """One of the scale rows (ours, peer, long, cache) through bench_train.py; its summary."""
+    common = ["--shape", args.scale_shape, "--steps", str(args.scale_steps), "--workdir", str(work / row)]
+    if args.smoke:
+        common.append("--smoke")
+    seq = str(args.scale_seq_len)
+    if row == "ours":
+        argv = [*common, "--seq-len", seq, "--algorithms", *args.scale_algorithms, "--no-peer"]
+    elif row == "peer":
+        peer: list[str] = []  # bench_train's default: the peer venv .peer-venv (benchmarks/peer_setup.sh)
+        if args.peer_wheels:
+            site = Path("/tmp/peer-site")
+            wheels = sorted(str(w) for w in Path(args.peer_wheels).glob("*.whl"))
+            rc = run_group([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--target", str(site), *wheels], 300).returncode
+            peer = ["--peer-python", sys.executable, "--peer-pythonpath", str(site)] if rc == 0 else ["--no-peer"]
+        elif args.peer_venv:
+            peer = ["--peer-venv", args.peer_venv]
+        argv = [*common, "--seq-len", seq, "--algorithms", "eagle3", *peer, "--peer-timeout", str(int(timeout / 2))]
+    elif row == "long":
+        argv = [*common, "--steps", "2", "--seq-len", str(args.scale_long_seq_len), "--algorithms", "eagle3", "--no-peer",
+                "--extra-opts", "model.activation_checkpointing=true"]
+    else:  # cache
+        argv = [*common, "--seq-len", seq, "--algorithms", *args.scale_algorithms, "--no-peer", "--from-cache"]
+    return _bench_train(argv, timeout, jsonl, work / "logs" / f"bench-train-{row}")
 
 
 def _environment() -> dict:
@@ -198,15 +204,18 @@ def _environment() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", choices=["scale", "recipes"], default=None,
-                   help="default: scale (recipes with --tiny)")
+    p.add_argument("--row", choices=["ours", "peer", "long", "cache", "recipes"], default=None,
+                   help="what this invocation measures (default: ours; recipes with --tiny)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, short sequences, two steps: a CPU check of the row's code path")
+    p.add_argument("--timeout-s", type=float, default=540.0, help="this invocation's time; past it its process tree is killed")
     p.add_argument("--scale-shape", default="qwen3-8b")
     p.add_argument("--scale-seq-len", type=int, default=4096)
     p.add_argument("--scale-long-seq-len", type=int, default=32768)
     p.add_argument("--scale-algorithms", nargs="+", default=["eagle3", "dflash"])
     p.add_argument("--scale-steps", type=int, default=4)
     p.add_argument("--peer-wheels", default=None, help="a folder of the peer's wheels (benchmarks/peer_setup.sh --gpu-wheels)")
-    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--peer-venv", default=None, help="the peer's venv (benchmarks/peer_setup.sh), instead of --peer-wheels")
     p.add_argument("--tiny", action="store_true", help="tiny targets and short runs (a CPU check of the code paths)")
     p.add_argument("--shapes", nargs="*", default=None, help="default: smollm2 qwen3-4b (tiny-llama tiny-qwen3 with --tiny)")
     p.add_argument("--algorithms", nargs="*", default=["eagle3", "dflash", "dspark"])
@@ -222,8 +231,15 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the runs that would start after this many seconds")
     p.add_argument("--run-timeout", type=int, default=300)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--out", default=None, help="also write the JSON here (rewritten after every run)")
+    p.add_argument("--out", default=None, help="append the JSON lines here too (flushed as each row finishes)")
     args = p.parse_args()
+    if args.smoke:
+        args.tiny = True
+        args.scale_shape = "tiny"
+        args.scale_seq_len = 64 if args.scale_seq_len == 4096 else args.scale_seq_len
+        args.scale_long_seq_len = 512 if args.scale_long_seq_len == 32768 else args.scale_long_seq_len
+        args.scale_steps = 2
+    args.row = args.row or ("recipes" if args.tiny and not args.smoke else "ours")
 
     import torch
 
@@ -239,7 +255,7 @@ def main() -> int:
     # answer words per sample (~6 tokens per word with the byte-level tokenizer), micro batch, cache.max_length
     sizes = {"smollm2": ((150, 250), 2, 2048), "qwen3-4b": ((250, 330), 1, 4096)}
     result = {
-        "benchmark": "gpu", "date": time.strftime("%Y-%m-%d"), **_environment(), "workers": 1,
+        "benchmark": "gpu", "row": args.row, "date": time.strftime("%Y-%m-%d"), **_environment(), "workers": 1,
         "note": ("random-weight targets built from configs and the tiny byte-level tokenizer: training throughput, memory and "
                  "decoding speed are real, acceptance (tau) and therefore speedup are meaningless (an untrained draft of a "
                  "random target is almost never accepted)"),
@@ -248,28 +264,43 @@ def main() -> int:
 
     from deepspec.eval.report import _json_safe
 
-    def emit() -> None:
-        text = json.dumps(_json_safe(result), indent=2, default=str)  # NaN (never-reached depths) -> null
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(text + "\n")
+    out = Path(args.out) if args.out else None
+
+    def line(obj: dict) -> None:
+        """One JSON line to stdout and --out, on disk before anything else runs."""
+        text = json.dumps(_json_safe(obj), default=str)  # NaN (never-reached depths) -> null
+        print(text, flush=True)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "a") as f:
+                f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    line({k: v for k, v in result.items() if k not in ("train", "eval", "skipped")})
+    if args.row != "recipes":
+        # bench_train.py appends its rows to --out itself, one line each as it finishes; here only its summary / error
+        jsonl = out
+        if jsonl is None:
+            jsonl = work / "rows.jsonl"
+        summary = scale_row(args.row, args, work, jsonl, args.timeout_s - (time.perf_counter() - t_start))
+        if out is None:  # rows went to a scratch file: show them
+            for text in jsonl.read_text().splitlines() if jsonl.is_file() else []:
+                print(text, flush=True)
+        line({"benchmark": "gpu", "row": args.row, "summary": True, "wall_s": round(time.perf_counter() - t_start, 1),
+              **({"error": summary["error"]} if "error" in summary else {"rows": len(summary.get("rows", []))})})
+        return 1 if "error" in summary else 0
+
+    def emit(kind: str | None = None, row: dict | None = None) -> None:
+        if row is not None:
+            line({"benchmark": "gpu", "row": "recipes", "section": kind, **row})
 
     def over_budget(what: str) -> bool:
         if time.perf_counter() - t_start > args.budget_s:
             result["skipped"].append(f"{what}: over --budget-s {args.budget_s:g}")
-            emit()
+            emit("skipped", {"skipped": what, "why": f"over --budget-s {args.budget_s:g}"})
             return True
         return False
-
-    args.sections = args.sections or (["recipes"] if args.tiny else ["scale"])
-    if "scale" in args.sections:
-        result["scale"] = scale_runs(args, work)
-        emit()
-    if "recipes" not in args.sections:
-        result["wall_s"] = round(time.perf_counter() - t_start, 1)
-        emit()
-        print(json.dumps(_json_safe(result), indent=2, default=str))
-        return 0
 
     trained: dict[tuple[str, str], Path] = {}
     prepared: dict[str, tuple[Path, Path]] = {}
@@ -299,6 +330,7 @@ def main() -> int:
             recipe = str(REPO / "config" / algorithm / f"{recipe_target}.yaml")
             opts = _merge(_opts(work, f"{shape}-{algorithm}", targs), [
                 f"target.name={target}", f"data.dir={data}", f"cache.max_length={max_len}", "train.log_every=1000",
+                f"run.name={shape}-{algorithm}-{variant}",  # one run folder per variant (a rerun resumes none of them)
                 *extra, *VARIANTS[variant],
             ])
             cfg = load_config(recipe, opts)
@@ -314,14 +346,15 @@ def main() -> int:
                 row["cache_s"] = round(time.perf_counter() - t0, 1)
                 if device == "cuda":
                     torch.cuda.empty_cache()  # the worker process needs the memory, not this one
-                row.update(_train_run(recipe, opts, args.run_timeout, work / "logs" / f"{shape}-{algorithm}-{variant}"))
+                left = args.timeout_s - (time.perf_counter() - t_start) - 10
+                row.update(_train_run(recipe, opts, min(args.run_timeout, max(30, left)), work / "logs" / f"{shape}-{algorithm}-{variant}"))
                 if variant == "ddp":
                     trained[(shape, algorithm)] = Path(row["run_dir"]) / f"step_{steps}"
             except Exception as e:  # report and go on with the next run
                 row["error"] = f"{type(e).__name__}: {e}"[-3000:]
             row.pop("run_dir", None)
             result["train"].append(row)
-            emit()
+            emit("train", row)
 
     def eval_runs(shape: str) -> None:
         big = shape == "qwen3-4b"
@@ -336,7 +369,7 @@ def main() -> int:
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[-3000:]
             result["eval"].append(row)
-            emit()
+            emit("eval", row)
             if device == "cuda":
                 torch.cuda.empty_cache()
 
@@ -351,8 +384,8 @@ def main() -> int:
             if shape in args.variant_shapes:
                 train_runs(shape, variant)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    emit()
-    print(json.dumps(_json_safe(result), indent=2, default=str))
+    line({"benchmark": "gpu", "row": "recipes", "summary": True, "wall_s": result["wall_s"], "train_rows": len(result["train"]),
+          "eval_rows": len(result["eval"]), "skipped": result["skipped"]})
     return 0
 
 

@@ -14,14 +14,23 @@ dataset (input_ids, loss_mask, seq_len), hidden_states/hs_{i}.safetensors ([seq,
 final hidden state) and token_freq.pt. Both train EAGLE-3 with the same taps, depth (TTT 7, loss decay 0.8), draft
 vocabulary, fc/output norms, precision (bf16 where the hardware computes it, else fp32), one sample per step.
 
-Prints ONE JSON object with `rows`, one per (algorithm, seq_len):
+Prints one JSON line per row as soon as the row is done (and appends it to `--jsonl PATH`, flushed), then the
+whole result as one JSON object on the last line. A row is one (algorithm, seq_len):
   tokens_per_s       non-padding tokens per second of training, first step left out (start-up), ours
   peak_memory_mb     peak allocated GPU memory (torch.cuda.max_memory_allocated) / peak RSS of the training process on CPU
   padding_fraction   padded positions / all positions of the measured micro-batches
-  mfu                GPU only: model FLOPs (torch's FlopCounterMode on one forward+backward) x steps/s / the GPU's peak
+  mfu                GPU only: the model's bf16 FLOPs x steps/s / the GPU's dense bf16 peak. FLOPs are counted on one
+                     forward+backward with torch's FLOP formulas, split by the dtype each matrix product runs in
+                     (`flops_per_token` = bf16, `fp32_flops_per_token` = the products autocast leaves in fp32, which the
+                     bf16 peak does not cover and MFU leaves out)
   peer_tokens_per_s  the peer on the same data, same machine, same run, first step left out (its own per-step timer);
                      null with `peer_note` under --no-peer, without the peer venv, for algorithms it is not run for, or on failure
-Each row trains in a fresh subprocess (so peak memory is per row).
+  reader             `memory` (samples held in memory) or `disk` (--from-cache: an on-disk cache of the shape's taps,
+                     width and dtype, written with deepspec.data.cache.format and read through the trainer's own data
+                     path: open_cache, the cache reader and the training loader)
+Each row trains in a fresh subprocess in a process group of its own (benchmarks/_procs.py), so peak memory is per row
+and a row that runs past --row-timeout is killed with every process it started. --smoke: the tiny shape, short
+sequences, two steps — a CPU check of every code path above.
 """
 
 from __future__ import annotations
@@ -36,12 +45,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _procs import GroupTimeout, last_error, run_group  # noqa: E402
 PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
 PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
 
@@ -56,6 +68,10 @@ SHAPES = {
     "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                                rms_norm_eps=1e-6, tie_word_embeddings=False), "qwen3-8b", 32000),
+    # --smoke: a tiny Qwen3 on the Qwen3-8B recipes (a CPU check of the code paths, seconds per row)
+    "tiny": ("qwen3", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False), "qwen3-8b", 256),
 }
 # dense bf16 / fp32 peaks (FLOP/s) for MFU; other GPUs report mfu null
 PEAK_FLOPS = {"H100": (989.4e12, 66.9e12), "H200": (989.4e12, 66.9e12), "A100": (312e12, 19.5e12)}
@@ -163,43 +179,106 @@ def write_peer_data(directory: Path, samples: list[dict]) -> Path:
     return directory
 
 
+def write_feature_cache(directory: Path, samples: list[dict], cfg, per_shard: int = 4) -> dict:
+    """The samples as a complete on-disk cache (shards, index, ids, token counts, manifest), written with the cache
+    format's own functions, and with the provenance a run of `cfg` expects (so open_cache accepts it as a cache of
+    this target, taps, width and dtype). Returns its size."""
+    import numpy as np
+
+    from deepspec.data.cache import format as fmt
+    from deepspec.data.cache.reader import expected_provenance
+
+    train = directory / "train"
+    if (train / fmt.MANIFEST).is_file():
+        return json.loads((train / fmt.MANIFEST).read_text())["bytes_info"]
+    train.mkdir(parents=True, exist_ok=True)
+    index = np.zeros(len(samples), dtype=fmt.INDEX_DTYPE)
+    counts = None
+    n_shards = -(-len(samples) // per_shard)
+    for shard in range(n_shards):
+        offset = 0
+        with open(train / fmt.shard_name(shard), "wb") as f:
+            for i in range(shard * per_shard, min(len(samples), (shard + 1) * per_shard)):
+                x = samples[i]
+                feats = torch_cat_features(x)
+                rec = fmt.encode_record(x["input_ids"].numpy(), x["loss_mask"].numpy(), feats, cfg.cache.dtype)
+                f.write(rec)
+                n = int(x["input_ids"].shape[0])
+                index[i] = (shard, offset, n, len(rec), zlib_crc(rec), int(x["loss_mask"].sum()), 0)
+                offset += len(rec)
+                c = np.bincount(x["input_ids"][x["loss_mask"]].numpy(), minlength=1)
+                counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + np.pad(c, (0, max(0, len(counts) - len(c))))
+    np.save(train / fmt.INDEX, index)
+    np.save(train / fmt.TOKEN_COUNTS, counts.astype(np.int64))
+    (train / fmt.IDS).write_text(json.dumps([f"bench-{i}" for i in range(len(samples))]))
+    info = {"samples": len(samples), "bytes": int(index["nbytes"].sum()), "shards": n_shards}
+    manifest = {**expected_provenance(cfg), "format_version": fmt.FORMAT_VERSION, "num_shards": n_shards,
+                "counts": {"samples": len(samples), "tokens": int(index["length"].sum()),
+                           "loss_tokens": int(index["num_loss_tokens"].sum())},
+                "bytes": info["bytes"], "bytes_info": info, "data_path": "benchmarks/bench_train.py (random features)"}
+    fmt.write_json_atomic(train / fmt.MANIFEST, manifest)  # last: its presence makes the cache complete
+    return info
+
+
+def torch_cat_features(sample: dict):
+    """[T, n_taps + 1, H]: the taps then the final hidden state, as a cache record stores them."""
+    import torch
+
+    return torch.cat([sample["taps"], sample["final_hidden"].unsqueeze(1)], dim=1)
+
+
+def zlib_crc(data: bytes) -> int:
+    import zlib
+
+    return zlib.crc32(data)
+
+
 # ----------------------------------------------------------------------------- our row (a subprocess)
 
 
 def _our_row(spec: dict) -> dict:
-    """Train `spec["steps"]` steps of our trainer in this process; figures of this process."""
+    """Train `spec["steps"]` steps of our trainer in this process; figures of this process. With spec["cache"] the
+    data comes through the trainer's own path (build_parts: open_cache, the reader, the loader), else from memory."""
     import torch
     from transformers import AutoConfig
 
     import deepspec.train.loop as loop
     from deepspec.config import load_config
     from deepspec.drafts.registry import get_algorithm
-    from deepspec.train.build import load_target_head
+    from deepspec.train.build import build_parts, load_target_head
     from deepspec.train.dist import init_distributed, teardown
     from deepspec.train.loop import TrainParts
 
     cfg = load_config(spec["recipe"], spec["opts"])
-    samples = torch.load(spec["samples"], weights_only=False)
     info = init_distributed()
     stamps, restore = _clock_logged_steps(loop)
     try:
         torch.manual_seed(cfg.train.seed)
-        tconf = AutoConfig.from_pretrained(spec["target"])
-        draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
-        draft.load_target_weights(*load_target_head(spec["target"], tconf))
-        data = FeatureSamples(samples, tconf.vocab_size)
-        draft.set_token_frequencies(data.token_counts())
-        parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
-                           write_draft=lambda d, w: None)
-        flops_per_token = None
-        if info.device.type == "cuda":  # counted on the plain draft, before the trainer wraps (FSDP) it
-            flops_per_token = _flops_per_token(draft, cfg, samples[0], info.device)
+        if spec.get("cache"):
+            parts = build_parts(cfg, info)
+            parts.val_data = None
+            draft, data = parts.model, parts.train_data
+            first = data[0]
+        else:
+            samples = torch.load(spec["samples"], weights_only=False)
+            tconf = AutoConfig.from_pretrained(spec["target"])
+            draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
+            draft.load_target_weights(*load_target_head(spec["target"], tconf))
+            data = FeatureSamples(samples, tconf.vocab_size)
+            draft.set_token_frequencies(data.token_counts())
+            parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
+                               write_draft=lambda d, w: None)
+            first = samples[0]
+        flops = None
+        if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
+            flops = flops_per_token(draft, cfg, first, info.device)
+        if info.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(info.device)
         loop._train(cfg, info, parts)
         out: dict = {}
         logged = sorted(stamps)
-        lengths = data.lengths
+        lengths = [int(x) for x in (data.lengths() if callable(data.lengths) else data.lengths)]
         n_steps = logged[-1] - logged[0]
         from deepspec.train.batches import BatchPlan
 
@@ -214,16 +293,19 @@ def _our_row(spec: dict) -> dict:
         out["tokens_per_s"] = round(real / elapsed, 1)
         out["padding_fraction"] = round(1 - real / padded, 4) if padded else None
         out["measured_steps"] = n_steps
+        if flops:
+            out["flops_per_token"] = flops["bf16"]
+            out["fp32_flops_per_token"] = flops["fp32"]
         if info.device.type == "cuda":
             out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
-            out["mfu"] = _mfu(flops_per_token, real / elapsed, cfg, info.device)
-            out["flops_per_token"] = flops_per_token
+            out["mfu"] = _mfu(flops, real / elapsed, cfg, info.device)
         else:
             out["peak_memory_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
             out["mfu"] = None
         rows = [json.loads(x) for x in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
         out["final_loss"] = round(rows[-1]["train/loss"], 4)
         out["trainable_params"] = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        out["activation_checkpointing"] = bool(cfg.model.activation_checkpointing)
         out["device"] = str(info.device)
         return out
     finally:
@@ -253,34 +335,52 @@ def _clock_logged_steps(loop) -> tuple[dict[int, float], Callable[[], None]]:
     return stamps, restore
 
 
-def _flops_per_token(draft, cfg, sample: dict, device) -> float:
-    """Model FLOPs of one forward + backward of one sample (counted by torch's FlopCounterMode), per token."""
+def flops_per_token(draft, cfg, sample: dict, device) -> dict[str, float]:
+    """Model FLOPs of one forward + backward of one sample, per token, split by the dtype each counted op runs in:
+    {"bf16": ..., "fp32": ...} (fp16 counts as bf16: the same tensor-core peak). torch's own FLOP formulas
+    (torch.utils.flop_counter.flop_registry: matrix products, attention) under a dispatch mode, which sees each op
+    after autocast has chosen its dtype, so fp32 products (kept in fp32 on purpose) are not counted against the bf16
+    peak."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
 
     from deepspec.train.batches import collate_features
     from deepspec.train.loop import autocast_context
 
+    totals = {"bf16": 0.0, "fp32": 0.0}
+
+    class ByDtype(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+                low = first is not None and first.dtype in (torch.bfloat16, torch.float16)
+                totals["bf16" if low else "fp32"] += float(count(*args, **kwargs, out_val=out))
+            return out
+
     draft.to(device).train()
     batch = collate_features([sample]).to(device, torch.float32)
-    with FlopCounterMode(display=False) as counter:
+    with ByDtype():
         with autocast_context(cfg, device)():
             loss, _ = draft.loss(batch)
         loss.backward()
     draft.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / int(batch.attention_mask.sum())
+    n = int(batch.attention_mask.sum())
+    return {k: v / n for k, v in totals.items()}
 
 
-def _mfu(flops_per_token: float | None, tokens_per_s: float, cfg, device) -> float | None:
-    """Model FLOPs per second over the GPU's dense peak for the run's precision (null for GPUs not in PEAK_FLOPS)."""
+def _mfu(flops: dict[str, float] | None, tokens_per_s: float, cfg, device) -> float | None:
+    """Model bf16 FLOPs per second over the GPU's dense bf16 peak (null for GPUs not in PEAK_FLOPS, or fp32 runs)."""
     import torch
 
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    if peak is None or not flops_per_token:
+    if peak is None or not flops or cfg.train.precision == "fp32":
         return None
-    bf16 = cfg.train.precision in ("auto", "bf16", "bf16_if_native")
-    return round(flops_per_token * tokens_per_s / (peak[0] if bf16 else peak[1]), 4)
+    return round(flops["bf16"] * tokens_per_s / peak[0], 4)
 
 
 # ----------------------------------------------------------------------------- the peer's row (its own venv)
@@ -326,7 +426,11 @@ def _peer_row(python: Path, pythonpath: str | None, target: Path, data: Path, ou
         cmd = [str(python), "-m", "speculators.train", *args]
     env = _peer_env(pythonpath)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        proc = run_group(cmd, timeout, env=env)
+    except GroupTimeout as e:
+        (out.parent / (out.name + ".log")).write_text(e.stdout + e.stderr)
+        raise
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     (out.parent / (out.name + ".log")).write_text(log)
@@ -356,9 +460,10 @@ def _peer_steps(log: str) -> list[tuple[float, float]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    p.add_argument("--seq-len", type=int, nargs="+", default=[2048])
+    p.add_argument("--seq-len", type=int, nargs="+", default=None, help="default: 2048 (64 with --smoke)")
     p.add_argument("--algorithms", nargs="+", default=["eagle3"])
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per row (the first is left out of tokens/s)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per row (the first is left out of tokens/s); "
+                   "default 4 (2 with --smoke)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="both trainers: auto = bf16 on GPUs and CPUs with native bf16, else fp32")
     p.add_argument("--no-peer", action="store_true", help="do not run the peer trainer")
@@ -368,6 +473,12 @@ def main() -> int:
     p.add_argument("--peer-timeout", type=int, default=1200)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--jsonl", default=None, help="append each row here as one JSON line when it is done (flushed)")
+    p.add_argument("--row-timeout", type=int, default=3600, help="seconds per row of ours; past it the row's process tree is killed")
+    p.add_argument("--from-cache", action="store_true",
+                   help="train from an on-disk cache through the trainer's data path (reader + loader), not from memory")
+    p.add_argument("--cache-samples", type=int, default=16, help="samples in the on-disk cache (--from-cache)")
+    p.add_argument("--smoke", action="store_true", help="the tiny shape, 2 steps, sequences of 64 tokens unless given")
     p.add_argument("--extra-opts", nargs="*", default=[], help="more --opts for our trainer (e.g. train.compile=true)")
     p.add_argument("--_row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_peer_data", nargs=2, metavar=("SAMPLES", "DIR"), help=argparse.SUPPRESS)
@@ -389,6 +500,10 @@ def main() -> int:
 
     from deepspec.cpus import cpu_has_native_bf16
 
+    if args.smoke:
+        args.shape = "tiny"
+    args.seq_len = args.seq_len or ([64] if args.smoke else [2048])
+    args.steps = args.steps or (2 if args.smoke else 4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = args.precision == "bf16" or (args.precision == "auto" and (device == "cuda" or cpu_has_native_bf16()))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-train-"))
@@ -403,7 +518,7 @@ def main() -> int:
     result = {
         "benchmark": "train", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "device": _device_name(),
         "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32", "steps_per_row": args.steps,
-        "samples_per_step": 1,
+        "samples_per_step": 1, "reader": "disk" if args.from_cache else "memory",
         "note": ("random-weight target from its config and random features: throughput and memory are real, losses are not "
                  "meaningful; both trainers read the same samples, EAGLE-3 with the same taps, TTT depth, draft vocabulary, "
                  "norms and precision"),
@@ -413,7 +528,16 @@ def main() -> int:
     if peer_why:
         result["peer"]["note"] = peer_why
 
-    def emit() -> None:
+    def emit(row: dict | None = None) -> None:
+        if row is not None:  # the row on its own line now: whatever happens later, it is out
+            line = json.dumps({"benchmark": "train", "shape": args.shape, "device": result["device"], **row})
+            print(line, flush=True)
+            if args.jsonl:
+                Path(args.jsonl).parent.mkdir(parents=True, exist_ok=True)
+                with open(args.jsonl, "a") as f:
+                    f.write(line + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -422,6 +546,8 @@ def main() -> int:
         for algorithm in args.algorithms:
             taps = taps_for(algorithm, tconf.num_hidden_layers)
             n_samples = args.steps + 1  # the peer holds one out for its validation split
+            if args.from_cache:
+                n_samples = max(n_samples, args.cache_samples)
             samples_path = work / f"samples-{algorithm}-{seq_len}.pt"
             samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len)
             torch.save(samples, samples_path)
@@ -439,15 +565,26 @@ def main() -> int:
             if algorithm == "eagle3":
                 opts += [f"model.draft_vocab_size={draft_vocab}", "model.ttt_length=7", "model.step_loss_decay=0.8",
                          "model.fc_norm=true", "model.norm_output=true", "model.num_draft_layers=1"]
-            row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "tokens_per_s": None, "peak_memory_mb": None,
-                   "padding_fraction": None, "mfu": None, "peer_tokens_per_s": None}
-            spec = {"recipe": recipe, "opts": opts, "samples": str(samples_path), "target": str(target), "shape": args.shape}
+            elif args.shape == "tiny":  # the recipe's mask token is a Qwen3 id outside the tiny vocabulary
+                opts += [f"model.mask_token_id={tconf.vocab_size - 1}", "model.num_anchors=8"]
+            row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "reader": result["reader"], "tokens_per_s": None,
+                   "peak_memory_mb": None, "padding_fraction": None, "mfu": None, "peer_tokens_per_s": None}
+            spec = {"recipe": recipe, "opts": opts, "samples": str(samples_path), "target": str(target), "shape": args.shape,
+                    "count_flops": args.smoke}
             try:
-                proc = subprocess.run([sys.executable, __file__, "--_row", json.dumps(spec)], capture_output=True, text=True,
-                                      env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=3600)
+                if args.from_cache:
+                    from deepspec.config import load_config
+
+                    cache_dir = work / f"cache-{algorithm}-{seq_len}"
+                    spec["opts"] = opts = [*opts, f"target.name={target}", f"cache.dir={cache_dir}", "cache.mode=offline"]
+                    t_cache = time.perf_counter()
+                    row["cache"] = write_feature_cache(cache_dir, samples, load_config(recipe, opts))
+                    row["cache"]["write_s"] = round(time.perf_counter() - t_cache, 1)
+                    spec["cache"] = str(cache_dir)
+                proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], args.row_timeout,
+                                 env=dict(os.environ, PYTHONPATH=str(REPO)))
                 if proc.returncode != 0:
-                    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-                    raise RuntimeError(" | ".join(lines[-3:]) or f"exit {proc.returncode}")
+                    raise RuntimeError(last_error(proc.stderr) or f"exit {proc.returncode}")
                 row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             except Exception as e:  # report and go on
                 row["error"] = f"{type(e).__name__}: {e}"[-2000:]
@@ -458,8 +595,8 @@ def main() -> int:
             else:
                 try:
                     data = work / f"peer-data-{algorithm}-{seq_len}"
-                    made = subprocess.run([str(peer_python), __file__, "--_peer_data", str(samples_path), str(data)],
-                                          capture_output=True, text=True, env=_peer_env(args.peer_pythonpath), timeout=1800)
+                    made = run_group([str(peer_python), __file__, "--_peer_data", str(samples_path), str(data)], 1800,
+                                     env=_peer_env(args.peer_pythonpath))
                     if made.returncode != 0:
                         raise RuntimeError("writing the peer's data: " + (made.stderr.strip().splitlines() or ["?"])[-1])
                     peer_spec = {"taps": taps, "draft_vocab": draft_vocab, "ttt": 7, "decay": 0.8, "seq_len": seq_len,
@@ -472,10 +609,10 @@ def main() -> int:
                     row["peer_note"] = f"peer run failed: {type(e).__name__}: {e}"[-2000:]
             del samples
             result["rows"].append(row)
-            emit()
+            emit(row)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     emit()
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result))
     return 0
 
 

@@ -1,0 +1,121 @@
+"""Run one measurement in a process group of its own, and kill the whole tree when it runs out of time.
+
+`subprocess.run(timeout=...)` kills only the direct child: a torchrun worker (which torch's launcher starts in a
+session of its own), torch.compile's worker pool or a data-loader process lives on, holding the GPU while the next
+measurement starts. `run_group` starts the command with a new session, and on timeout sends SIGTERM to its group
+(torchrun then stops its workers itself), waits `grace_s`, then SIGKILLs its group and the group of every process
+that descended from it, found through /proc before and after the SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class GroupTimeout(RuntimeError):
+    """The command ran past its time; every process of its tree was killed. stdout / stderr: what it had printed."""
+
+    def __init__(self, message: str, stdout: str = "", stderr: str = ""):
+        super().__init__(message)
+        self.stdout, self.stderr = stdout, stderr
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, grandchildren, ...), from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal_groups(pids: list[int], sig: int) -> None:
+    groups = set()
+    for p in pids:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            continue
+    groups.discard(os.getpgid(0))  # never our own group
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the command's group, then SIGKILL it and every descendant's group (see the module docstring)."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    _signal_groups(tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    tree += descendants(proc.pid) if proc.poll() is None else []
+    _signal_groups(tree, signal.SIGKILL)
+    proc.wait()
+
+
+def run_group(cmd: list[str], timeout: float, *, env: dict[str, str] | None = None, stdout_path: Path | None = None,
+              stderr_path: Path | None = None, grace_s: float = 30.0) -> Finished:
+    """Run `cmd` in a new session; its output (kept in files, not pipes, so a killed tree can never block us).
+    Raises GroupTimeout after killing the whole tree when it runs past `timeout` seconds."""
+    import tempfile
+
+    tmp = None
+    if stdout_path is None or stderr_path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-proc-")
+        stdout_path = stdout_path or Path(tmp.name) / "out"
+        stderr_path = stderr_path or Path(tmp.name) / "err"
+    stdout_path.parent.mkdir(parents=True, exist_ok=True)
+    stderr_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc, grace_s)
+                raise GroupTimeout(f"{Path(cmd[1]).name if len(cmd) > 1 else cmd[0]} ran past its {timeout:.0f} s and was "
+                                   f"killed with its whole process tree", stdout_path.read_text(), stderr_path.read_text()) from None
+            except BaseException:  # Ctrl-C etc.: leave nothing running behind us
+                kill_tree(proc, grace_s=5.0)
+                raise
+        return Finished(proc.returncode, stdout_path.read_text(), stderr_path.read_text(), time.perf_counter() - t0)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def last_error(stderr: str, n: int = 3) -> str:
+    """The last lines of a failed command's stderr that name an error (else its last lines)."""
+    import re
+
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b|error:", ln) and "elastic" not in ln and "ChildFailedError" not in ln]
+    return " | ".join((errors or lines)[-n:])
