@@ -88,5 +88,7 @@ for idx in "${!URLS[@]}"; do
   done
   echo "healthy: $url"
 done
-printf '%s\n' "${URLS[@]}" > "$URLS_FILE"
+# one URL per line, each with its server's log (deepspec names the log when a server stops answering)
+LOG_ABS="$(cd "$LOG_DIR" && pwd)"
+for url in "${URLS[@]}"; do printf '%s  # log: %s\n' "$url" "$LOG_ABS/server_${url##*:}.log"; done > "$URLS_FILE"
 echo "wrote ${#URLS[@]} URL(s) to $URLS_FILE; stop with: while read -r p; do kill -- -\$p; done < $LOG_DIR/pids"
