@@ -262,3 +262,90 @@ def test_fsdp2_bf16_policy_trains_with_one_gather_per_unit_and_step(tmp_path):
     assert plain[0]["gathers"] > 2 * units, plain[0]
     for r, p in zip(rows, plain):  # the same training: no stale gathered weights after an optimizer step
         assert r["losses"] == pytest.approx(p["losses"], abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- Liger's fused linear KL behind soft_ce
+
+
+def _eager_kl(h, head, target):
+    """The contract deepspec/drafts/liger.py relies on, written eagerly: sum_r sum_v q (log q - log softmax(h head^T))."""
+    logp = torch.log_softmax((h @ head.T).float(), -1)
+    q = target.float()
+    return (torch.xlogy(q, q) - q * logp).sum()
+
+
+def test_liger_wrapper_reproduces_the_eager_soft_ce_value_and_gradients(monkeypatch):
+    """Per-row weights folded into the target rows (zero rows = ignored) and the entropy term added back: the fused path
+    returns the eager loss value and gradients. Stands in for the CUDA kernel on CPU."""
+    from deepspec.drafts import liger
+    from deepspec.drafts.losses import soft_ce
+
+    g = torch.Generator().manual_seed(0)
+    h0, head0 = torch.randn(37, 16, generator=g), torch.randn(24, 16, generator=g)
+    teacher, rows = torch.randn(50, 24, generator=g) * 2, torch.randint(0, 50, (37,), generator=g)
+    weights = torch.rand(37, generator=g) * (torch.rand(37, generator=g) > 0.3)
+    out = {}
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(liger, "fused_linear_kl", _eager_kl)
+            monkeypatch.setattr(liger, "available", lambda x: True)
+        h, head = h0.clone().requires_grad_(), head0.clone().requires_grad_()
+        total, ce, *_ = soft_ce(h, head, weights, teacher, rows, chunk=8, label_temperature=0.7, loss_only=True)
+        total.backward()
+        out[fused] = (total.detach(), h.grad, head.grad, ce)
+    torch.testing.assert_close(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1])
+    torch.testing.assert_close(out[True][2], out[False][2])
+    assert out[True][3] is None and out[False][3] is not None  # per-row outputs only from the eager path
+
+
+def test_eagle3_unlogged_steps_through_the_fused_kernel_train_as_the_eager_path(monkeypatch):
+    from deepspec.drafts import liger
+
+    draft = _draft(draft_vocab_size=40, ttt_length=3)
+    draft.train_metrics = False
+    batch = _batch(2, 64)
+    res = {}
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(liger, "fused_linear_kl", _eager_kl)
+            monkeypatch.setattr(liger, "available", lambda x: True)
+        draft.zero_grad()
+        loss, metrics = draft.loss(batch)
+        loss.backward()
+        res[fused] = (loss.detach(), torch.cat([p.grad.flatten() for p in draft.parameters() if p.grad is not None]), metrics)
+    torch.testing.assert_close(res[True][0], res[False][0])
+    torch.testing.assert_close(res[True][1], res[False][1])
+    assert "step_loss@1" in res[False][2] and "step_loss@1" not in res[True][2]
+
+
+def test_liger_is_optional_and_off_the_cpu():
+    from deepspec.drafts import liger
+
+    assert not liger.available(torch.zeros(1))  # CPU tensors never take the kernel, installed or not
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's Triton kernels need a CUDA GPU")
+def test_liger_kernel_on_cuda_matches_the_eager_soft_ce_in_bf16():
+    from deepspec.drafts import liger
+    from deepspec.drafts.losses import soft_ce
+
+    if liger.fused_linear_kl is None:
+        pytest.skip("liger-kernel is not installed (requirements-gpu.txt)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h0 = torch.randn(1024, 256, device="cuda", generator=g)
+    head0 = torch.randn(4096, 256, device="cuda", generator=g) * 0.05
+    teacher = (torch.randn(1100, 4096, device="cuda", generator=g) * 3).bfloat16()
+    rows, weights = torch.arange(1024, device="cuda") + 50, torch.rand(1024, device="cuda", generator=g)
+    out = []
+    for use in ("0", "1"):
+        os.environ["DEEPSPEC_LIGER"] = use
+        h, head = h0.clone().requires_grad_(), head0.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total, *_ = soft_ce(h, head, weights, teacher, rows, chunk=256, loss_only=True)
+        total.backward()
+        out.append((total.detach(), h.grad, head.grad))
+    os.environ.pop("DEEPSPEC_LIGER")
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-2, atol=1e-2)
+    for a, b in zip(out[1][1:], out[0][1:]):
+        assert float(F.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0)) > 0.999

@@ -317,6 +317,8 @@ class Eagle3Draft(TargetBackedDraft):
         head = self.lm_head.weight
         head_gemm = head.to(gemm_dtype(fh, head))  # cast once for every step's GEMMs (a no-op in fp32 / bf16 params)
         row_base = torch.arange(b, device=dev)[:, None] * t
+        # unlogged steps that feed the data's tokens read only the loss (Liger's fused kernel on CUDA, losses.py)
+        loss_only = not with_metrics and not (self.training and cfg.ttt_inputs == "draft")
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -352,8 +354,8 @@ class Eagle3Draft(TargetBackedDraft):
                 target_top=None if t_top is None else t_top[:, 1 + k : 1 + k + m].reshape(-1),
                 draft_tids=draft_tids,
                 head_gemm=head_gemm,
+                loss_only=loss_only,
             )
-            ce = ce.view(b, m)
             total = total + ce_w
             if hidden_w > 0 and m > 0:
                 # EAGLE-1's feature loss: the draft's normed state should be the target's next final state
@@ -364,7 +366,8 @@ class Eagle3Draft(TargetBackedDraft):
             if k == 0:
                 weight0 = cnt.detach()
             d = k + 1
-            metrics[f"step_loss@{d}"] = ((ce * v).sum().detach(), cnt.detach())
+            if ce is not None:  # None: the fused kernel returned the loss alone (an unlogged step)
+                metrics[f"step_loss@{d}"] = ((ce.view(b, m) * v).sum().detach(), cnt.detach())
             if with_metrics:
                 a_full = torch.zeros(b, t, device=dev)
                 a_full[:, :m] = alpha.view(b, m)
@@ -376,7 +379,7 @@ class Eagle3Draft(TargetBackedDraft):
                 metrics[f"alpha_tf@{d}"] = ((alpha.view(b, m) * v).sum(), cnt.detach())
                 metrics[f"top1@{d}"] = ((top.view(b, m) * v).sum(), cnt.detach())
             try:
-                item = gen.send(draft_tids[arg.view(b, m)])
+                item = gen.send(None if arg is None else draft_tids[arg.view(b, m)])
             except StopIteration:
                 item = None
         metrics.update(self._tau_metrics(alphas, tops, valids))

@@ -11,10 +11,10 @@ Precision: head matmuls run in `gemm_dtype` — the autocast dtype where autocas
 fp32 accumulation inside the GEMM), else the operands' own dtype (fp32 CPU runs are unchanged). Everything
 after the GEMM — softcap, softmax, log-normalisers, the loss and its gradient — is fp32.
 
-The same algorithm is what Liger-Kernel's fused linear JSD runs on CUDA; we keep our own because its teacher
-is an (input, weight) pair it multiplies again on every call (once per TTT step here) and its per-call
-[rows, V] fp32 loss buffer and host sync are what this module exists to avoid. Liger's fused linear
-cross-entropy takes hard labels, so block drafts can use it (deepspec/drafts/liger.py).
+On CUDA, a step that needs only the loss (`loss_only`: unlogged training steps) hands the fused head + loss to
+Liger-Kernel's fused linear KL (deepspec/drafts/liger.py) when it is installed: the same algorithm with the softmax,
+loss and logit gradient in one Triton pass, fed the same once-per-micro-batch teacher. The eager path here is its
+reference and runs everywhere else (CPU, logged steps with their metrics, soft-capped drafts).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepspec.drafts import liger
 from deepspec.drafts.layers import softcap
 
 
@@ -158,6 +159,7 @@ def soft_ce(
     target_top: torch.Tensor | None = None,
     draft_tids: torch.Tensor | None = None,
     head_gemm: torch.Tensor | None = None,
+    loss_only: bool = False,
 ):
     """Row-chunked soft CE with the head fused (see the module docstring); gradients flow to h and head.
 
@@ -167,7 +169,33 @@ def soft_ce(
 
     Returns (sum_r weights_r * CE_r [scalar fp32, differentiable], CE [N], draft argmax [N] in draft ids, and when
     lse_full / target_top (the target's full-vocabulary log-normaliser and argmax per row) are given:
-    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None)."""
+    alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None).
+
+    loss_only: the caller reads only the weighted sum; on CUDA with Liger (and no draft softcap, which its kernel lacks)
+    the per-row outputs are then None."""
+    if loss_only and lse_full is None and not draft_softcap and liger.available(h):
+        return _soft_ce_liger(h, head, weights.detach(), teacher.detach(), rows, max(1, int(chunk)), label_temperature,
+                              target_softcap, head_gemm), None, None, None, None
     opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad,
             head.requires_grad, head_gemm)
     return _SoftCE.apply(h, head, weights.detach(), teacher.detach(), rows, opts)
+
+
+def _soft_ce_liger(h, head, weights, teacher, rows, chunk, temp, cap_t, head_gemm) -> torch.Tensor:
+    """sum_r w_r CE_r through Liger's fused linear KL (see deepspec/drafts/liger.py for the contract): the target rows
+    are w_r * p_r in the GEMM dtype, built chunk by chunk in fp32; the value gets back sum_r w_r H(p_r) - w_r log w_r,
+    which KL leaves out, so it equals the eager loss (the gradient needs no correction)."""
+    dt = gemm_dtype(h, head)
+    hw = head_gemm if head_gemm is not None and head_gemm.dtype == dt else head.to(dt)
+    n = h.shape[0]
+    target = h.new_empty((n, hw.shape[0]), dtype=dt)
+    const = torch.zeros((), dtype=torch.float32, device=h.device)
+    with torch.no_grad():
+        for i in range(0, n, chunk):
+            sub = teacher[i : i + chunk] if rows is None else teacher.index_select(0, rows[i : i + chunk])
+            logp = torch.log_softmax(softcap(sub.float(), cap_t) / temp, dim=-1)
+            p = logp.exp()
+            w = weights[i : i + chunk].float()
+            const += (w * -(p * logp).sum(-1)).sum() - torch.xlogy(w, w).sum()
+            target[i : i + chunk] = p * w[:, None]
+    return liger.fused_linear_kl(h.to(dt), hw, target).float() + const
