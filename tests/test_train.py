@@ -473,7 +473,9 @@ def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
                 t = cfg.train
                 assert (t.lr, t.warmup_ratio, t.global_batch_size, t.epochs, cfg.model.block_size) == (6e-4, 0.04, 512, 10, 7)
                 assert len(cfg.model.target_layer_ids) == 5
-                assert BatchPlan(10**6, t.global_batch_size, t.micro_batch_size, 8, 0).accum_steps == 64
+                # 8 GPUs x micro batch 4 x 16 accumulation steps, each micro-batch packed into rows of >= 8,192 tokens
+                assert BatchPlan(10**6, t.global_batch_size, t.micro_batch_size, 8, 0).accum_steps == 64 // t.micro_batch_size
+                assert t.micro_batch_size == 4 and t.pack_tokens >= 8192
                 if t.optimizer == "muon":
                     assert t.parallel == "ddp"
 
