@@ -11,11 +11,15 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import platform
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _rss_kib() -> int:
@@ -54,6 +58,304 @@ def child(algorithm: str, t: int, ttt: int, draft_vocab: int | None, ckpt: bool)
             "loss": round(float(loss), 4)}
 
 
+
+# ----------------------------------------------------------------------------- --recipe: one step of a published recipe
+
+# The real targets' configs (published sizes; transformers' config classes, no download). DeepSeek-V4-Flash: the
+# DeepseekV4Config defaults (43 layers, hidden 4096, 64 heads x head_dim 512, 1 KV head, vocab 129280, hc_mult 4).
+TARGETS = {
+    "Qwen/Qwen3-4B": ("qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    "Qwen/Qwen3-8B": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)),
+    "Qwen/Qwen3-14B": ("qwen3", dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                     num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)),
+    "deepseek-ai/DeepSeek-V4-Flash": ("deepseek_v4", {}),
+}
+GB = 1e9
+
+
+def scaled_target_config(name: str, factor: float):
+    """The target's config with its width scaled by `factor`: hidden and MLP sizes and the number of attention heads
+    (KV heads too, at least one), the head dim, vocabulary and layer count kept."""
+    from transformers import AutoConfig
+
+    if name not in TARGETS:
+        raise SystemExit(f"no published config for target {name!r} here; known: {', '.join(TARGETS)}")
+    family, kw = TARGETS[name]
+    cfg = AutoConfig.for_model(family, **kw)
+    cfg.max_position_embeddings = max(int(getattr(cfg, "max_position_embeddings", 0) or 0), 65536)
+    if factor != 1:
+        inter = "moe_intermediate_size" if family == "deepseek_v4" else "intermediate_size"
+        for key in ("hidden_size", inter):
+            setattr(cfg, key, int(round(getattr(cfg, key) * factor)))
+        cfg.num_attention_heads = max(1, int(round(cfg.num_attention_heads * factor)))
+        cfg.num_key_value_heads = max(1, int(round(cfg.num_key_value_heads * factor)))
+    return cfg
+
+
+def recipe_batch(cfg, arch, n_taps: int, dtype):
+    """The recipe's largest micro-batch: micro_batch_size samples of cache.max_length tokens (the first quarter a
+    prompt), packed into rows of train.pack_tokens when the recipe packs; features in the dtype the trainer widens
+    them to on the device."""
+    import torch
+
+    from deepspec.train.batches import collate_features, pack_batch
+
+    t = cfg.cache.max_length
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for _ in range(cfg.train.micro_batch_size):
+        ids = torch.randint(0, arch.vocab_size, (t,), generator=g)
+        lm = torch.zeros(t, dtype=torch.bool)
+        lm[t // 4 :] = True
+        items.append({"input_ids": ids, "loss_mask": lm, "taps": torch.randn(t, n_taps, arch.target_hidden_size, generator=g, dtype=dtype),
+                      "final_hidden": torch.randn(t, arch.hidden_size, generator=g, dtype=dtype)})
+    batch = collate_features(items)
+    if cfg.train.pack_tokens:
+        batch = pack_batch(batch, cfg.train.pack_tokens)
+    return batch
+
+
+def build_recipe_draft(cfg, factor: float, device):
+    """The recipe's draft on `device` (meta: sizes only) for the target scaled by `factor`."""
+    import torch
+
+    from deepspec.drafts.registry import get_algorithm
+
+    import deepspec.drafts.common as common
+
+    tconf = scaled_target_config(cfg.target.name, factor)
+    build = common.build_draft_vocab
+    if str(device) == "meta":  # sizes only: the draft vocabulary's d2t / t2d as empty tensors of their shapes
+        def shapes_only(counts, size):
+            v = counts.numel()
+            return torch.empty(size or v, dtype=torch.int64, device="meta"), torch.empty(v, dtype=torch.bool, device="meta")
+
+        common.build_draft_vocab = shapes_only
+    try:
+        with torch.device(device):
+            draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
+    finally:
+        common.build_draft_vocab = build
+    return draft, tconf
+
+
+def state_bytes(draft, cfg, world: int) -> dict[str, float]:
+    """Bytes of everything a training step holds besides activations, at this draft's width: trainable parameters in
+    fp32 + their gradients + the optimizer's state (AdamW 8 B/param; Muon 4 B for the body matrices it takes) + DDP's
+    gradient buckets (a second fp32 copy of the gradients), or under FSDP2 over `world` ranks the shards of those plus
+    the gathered bf16 parameters (reshard_after_forward=False keeps them) and fp32 unsharded gradients before the
+    reduce-scatter; frozen target tensors (embedding / LM head held in the training dtype, the draft vocabulary's head
+    rows, d2t / t2d)."""
+    import torch
+
+    from deepspec.train.optim import split_muon_params
+
+    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    n_muon = sum(p.numel() for _, p in split_muon_params(draft)[0]) if cfg.train.optimizer == "muon" else 0
+    opt = 4 * n_muon + 8 * (n - n_muon)
+    bf16 = cfg.train.precision in ("bf16", "auto")
+    frozen = 0
+    for name, b in list(draft.named_buffers()) + [(k, p) for k, p in draft.named_parameters() if not p.requires_grad]:
+        size = b.element_size()
+        if name in ("target_embed", "target_lm_head") and bf16 and b.is_floating_point():
+            size = 2  # hold_target_in(bf16)
+        frozen += b.numel() * size
+    if cfg.train.parallel == "fsdp":
+        trainable = (4 * n + 4 * n + opt) / world + (2 * n if bf16 else 0) + 4 * n
+        how = f"fsdp over {world} ranks: (fp32 params + fp32 grads + optimizer) / {world} + gathered bf16 params + fp32 unsharded grads"
+    else:
+        trainable = 4 * n + 4 * n + opt + 4 * n
+        how = "ddp: fp32 params + fp32 grads + optimizer + DDP's fp32 gradient buckets"
+    return {"trainable_params": n, "muon_params": n_muon, "trainable_state_bytes": trainable, "frozen_bytes": frozen, "how": how}
+
+
+class SdpaLog:
+    """A TorchFunctionMode that records every scaled_dot_product_attention call and the kernel this CPU runs for it
+    (torch._fused_sdp_choice: 1 = flash, which keeps O(T * d) + LSE for backward, like CUDA's flash / memory-efficient
+    kernels; 0 = math, which keeps every score)."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        log = self.calls = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                import torch.nn.functional as F
+
+                kwargs = kwargs or {}
+                if func is F.scaled_dot_product_attention:
+                    import torch
+
+                    q, k, v = args[:3]
+                    try:
+                        choice = int(torch._fused_sdp_choice(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
+                                                             kwargs.get("is_causal", False), scale=kwargs.get("scale"),
+                                                             enable_gqa=kwargs.get("enable_gqa", False)))
+                    except Exception:
+                        choice = -1
+                    log.append({"q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
+                                "mask": kwargs.get("attn_mask") is not None, "kernel": {1: "flash", 0: "math"}.get(choice, str(choice))})
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+
+def measure_activations(cfg, factor: float, precision: str) -> dict:
+    """One forward + backward of the recipe's largest micro-batch at width `factor`, on CPU, under torch's MemTracker
+    (every tensor the step allocates, by its real size and dtype, freed when its storage dies): its peak, less the
+    gradients of the trainable parameters (counted exactly in state_bytes). Run in a child process."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from deepspec.train.precision import setup_precision
+
+    torch.manual_seed(0)
+    draft, tconf = build_recipe_draft(cfg, factor, "cpu")
+    v, h = draft.arch.vocab_size, draft.arch.hidden_size
+    draft.load_target_weights(torch.randn(v, h) * 0.02, torch.randn(v, h) * 0.02)
+    if getattr(draft, "reduced_vocab", False) or getattr(draft, "draft_vocab_size", v) < v:
+        draft.set_token_frequencies(torch.randint(1, 1000, (v,)))
+    setup_precision(draft, precision, torch.device("cpu"))
+    draft.train()
+    draft.train_metrics = True  # logged steps: the metrics' full-vocabulary pass too (the larger peak)
+    n_grad = sum(p.numel() * 4 for p in draft.parameters() if p.requires_grad)
+    n_rows = len(draft.taps) * (draft.arch.target_hc_mult if draft.arch.tap_reduction == "concat" else 1)
+    sdpa = SdpaLog()
+    mt = MemTracker()
+    t0 = time.perf_counter()
+    with mt, sdpa.mode:
+        batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        with ctx:
+            loss, _ = draft.loss(batch)
+        loss.backward()
+        del batch, loss
+    seconds = time.perf_counter() - t0
+    peak = mt.get_tracker_snapshot("peak")
+    total = max(d["Total"] for d in peak.values())
+    kernels: dict[str, int] = {}
+    for c in sdpa.calls:
+        kernels[c["kernel"]] = kernels.get(c["kernel"], 0) + 1
+    return {"factor": factor, "hidden_size": h, "q_width": draft.arch.num_attention_heads * draft.arch.head_dim,
+            "tap_width": draft.arch.target_hidden_size, "tap_rows": n_rows, "tokens": int(cfg.cache.max_length * cfg.train.micro_batch_size),
+            "peak_bytes": total, "grad_bytes": n_grad, "activation_bytes": total - n_grad, "step_s": round(seconds, 1),
+            "sdpa_kernels": kernels, "sdpa_calls": len(sdpa.calls)}
+
+
+def recipe_main(args) -> dict:
+    import torch
+
+    from deepspec.config import load_config
+
+    cfg = load_config(args.recipe, args.opts)
+    precision = "bf16" if cfg.train.precision in ("bf16", "auto") else "fp32"
+    real, _ = build_recipe_draft(cfg, 1.0, "meta")
+    state = state_bytes(real, cfg, args.world)
+    out = {
+        "benchmark": "draft_memory", "recipe": args.recipe, "opts": args.opts, "date": time.strftime("%Y-%m-%d"),
+        "target": cfg.target.name, "algorithm": cfg.model.algorithm, "layers": cfg.model.num_draft_layers,
+        "seq_len": cfg.cache.max_length, "micro_batch": cfg.train.micro_batch_size, "pack_tokens": cfg.train.pack_tokens,
+        "num_anchors": getattr(cfg.model, "num_anchors", None) if cfg.model.algorithm != "eagle3" else None,
+        "block_size": cfg.model.block_size if cfg.model.algorithm != "eagle3" else None,
+        "ttt_length": cfg.model.ttt_length if cfg.model.algorithm == "eagle3" else None,
+        "draft_vocab_size": cfg.model.draft_vocab_size, "parallel": cfg.train.parallel, "optimizer": cfg.train.optimizer,
+        "precision": precision, "activation_checkpointing": bool(cfg.model.activation_checkpointing),
+        "hidden_size": real.arch.hidden_size, "q_width": real.arch.num_attention_heads * real.arch.head_dim,
+        "state": state,
+    }
+    if torch.cuda.is_available() and not args.cpu:
+        out.update(measured_on_gpu(cfg, args))
+        return out
+    runs = []
+    for f in args.factors:
+        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--opts", *args.opts, "--_factor", str(f)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"width x{f}: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    (w1, a1), (w2, a2) = [(r["hidden_size"], r["activation_bytes"]) for r in runs[:2]]
+    slope = (a2 - a1) / (w2 - w1)
+    fixed = a1 - slope * w1
+    w = real.arch.hidden_size
+    activations = fixed + slope * w
+    peak = activations + state["trainable_state_bytes"] + state["frozen_bytes"]
+    math_calls = sum(r["sdpa_kernels"].get("math", 0) for r in runs)
+    out.update({
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (this run)",
+        "method": (
+            "One forward + backward of the recipe's largest micro-batch (micro_batch_size samples of cache.max_length "
+            "tokens, packed as the recipe packs; the recipe's anchors, layers, block / TTT depth, draft vocabulary and "
+            f"{precision} autocast) on CPU at reduced width: hidden size, MLP size and attention heads x"
+            f"{' and x'.join(str(f) for f in args.factors)} (head dim, vocabulary, tokens, layers as published). torch's "
+            "MemTracker counts every tensor the step allocates at its real size and dtype; its peak less the trainable "
+            "parameters' gradients is the step's activation memory. Activations are linear in the width at fixed tokens "
+            "(hidden states, projections, heads, tap features: T x width; logits chunks, labels, indices, the single KV "
+            "head's keys: width-free), so two widths give activations = fixed + slope x hidden, extrapolated to the real "
+            "hidden size. Parameters, gradients, optimizer state, DDP buckets / FSDP shards and the frozen target tensors "
+            "are counted exactly at the real width (`state`). Every attention call ran PyTorch's flash kernel on this CPU "
+            "(`sdpa_kernels`), which keeps the output and its log-sum-exp for backward, not the scores: what CUDA's "
+            "flash / memory-efficient kernels keep, so no score matrix of the CPU math kernel is counted. The estimate "
+            "leaves out the CUDA caching allocator's fragmentation and the CUDA context (~0.5-1 GB)."
+        ),
+        "runs": runs,
+        "activations_fixed_gb": round(fixed / GB, 2),
+        "activations_per_hidden_unit_mb": round(slope / 1e6, 3),
+        "activations_gb": round(activations / GB, 2),
+        "trainable_state_gb": round(state["trainable_state_bytes"] / GB, 2),
+        "frozen_gb": round(state["frozen_bytes"] / GB, 2),
+        "estimated_peak_gb": round(peak / GB, 2),
+        "fits_80gb_gpu": bool(peak <= 70 * GB),
+        "scaling": (
+            "activations_gb = activations_fixed_gb + activations_per_hidden_unit_mb x hidden / 1000: the fixed part grows "
+            "with the tokens and the vocabulary (vocab_chunk_rows x V logits chunks) but not the width; the per-hidden-unit "
+            "part grows with tokens x width (x layers; for block drafts with anchors x block size too). trainable_state_gb "
+            "grows with width^2 x layers (+ draft vocabulary x width for trainable heads), frozen_gb with vocabulary x width."
+        ),
+        "sdpa_math_calls": math_calls,
+    })
+    return out
+
+
+def measured_on_gpu(cfg, args) -> dict:
+    """On a CUDA device: the real-width draft, the recipe's optimizer, one full training step (forward, backward,
+    optimizer step) on the largest micro-batch; torch.cuda.max_memory_allocated."""
+    import torch
+
+    from deepspec.train.loop import autocast_context
+    from deepspec.train.optim import build_optimizer
+    from deepspec.train.precision import setup_precision
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    draft, _ = build_recipe_draft(cfg, 1.0, dev)
+    v, h = draft.arch.vocab_size, draft.arch.hidden_size
+    draft.load_target_weights(torch.randn(v, h, device=dev) * 0.02, torch.randn(v, h, device=dev) * 0.02)
+    if getattr(draft, "draft_vocab_size", v) < v:
+        draft.set_token_frequencies(torch.randint(1, 1000, (v,)))
+    setup_precision(draft, cfg.train.precision, dev)
+    draft.train()
+    draft.train_metrics = True
+    opt = build_optimizer(draft, cfg.train)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    for _ in range(2):  # the second step holds the optimizer state
+        batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32).to(dev)
+        with autocast_context(cfg, dev)():
+            loss, _ = draft.loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del batch, loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(dev)
+    return {"machine": torch.cuda.get_device_name(dev), "method": "measured: torch.cuda.max_memory_allocated over two full "
+            "training steps (the plain draft, no DDP buckets / FSDP: add state.how's parallel terms for a multi-GPU run)",
+            "measured_peak_gb": round(peak / GB, 2), "estimated_peak_gb": round(peak / GB, 2), "fits_80gb_gpu": bool(peak <= 70 * GB),
+            "two_steps_s": round(time.perf_counter() - t0, 1)}
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--algorithm", default="eagle3")
@@ -62,7 +364,29 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=0, help="0 = the full 49,152-token vocabulary")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--child", type=int, default=0)
+    ap.add_argument("--recipe", default=None, help="a recipe: one training step's peak at its published length, anchors, layers")
+    ap.add_argument("--opts", nargs="*", default=[], help="--opts for the recipe")
+    ap.add_argument("--factors", type=float, nargs=2, default=[0.125, 0.25], help="the two reduced widths measured on CPU")
+    ap.add_argument("--world", type=int, default=8, help="ranks an FSDP recipe shards over (one node)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU estimate even where CUDA is available")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--_factor", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.recipe:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        if a._factor is not None:
+            from deepspec.config import load_config
+
+            cfg = load_config(a.recipe, a.opts)
+            prec = "bf16" if cfg.train.precision in ("bf16", "auto") else "fp32"
+            print(json.dumps(measure_activations(cfg, a._factor, prec)))
+            return
+        res = recipe_main(a)
+        text = json.dumps(res, indent=2)
+        if a.out:
+            Path(a.out).write_text(text + "\n")
+        print(text)
+        return
     dv = a.draft_vocab or None
     if a.child:
         print(json.dumps(child(a.algorithm, a.child, a.ttt, dv, a.activation_checkpointing)))
