@@ -171,6 +171,43 @@ def state_bytes(draft, cfg, world: int) -> dict[str, float]:
     return {"trainable_params": n, "muon_params": n_muon, "trainable_state_bytes": trainable, "frozen_bytes": frozen, "how": how}
 
 
+class LiveBytes:
+    """A TorchDispatchMode counting the bytes of every storage an op creates while it lives (weak references to the
+    storages: freed storages leave the count), and the peak of that count. Module-free (torch's MemTracker refuses
+    modules called more than once per step, which the TTT chain and the block layers are)."""
+
+    def __init__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        state = self
+        self.current = self.peak = 0
+        self.live: dict[int, object] = {}
+
+        def free(key: int, n: int, _ref=None) -> None:
+            if state.live.pop(key, None) is not None:
+                state.current -= n
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        st = t.untyped_storage()
+                        key = st._cdata
+                        if key not in state.live:
+                            n = st.nbytes()
+                            state.live[key] = weakref.ref(st, lambda r, key=key, n=n: free(key, n))
+                            state.current += n
+                            state.peak = max(state.peak, state.current)
+                return out
+
+        self.mode = Mode()
+
+
 class SdpaLog:
     """A TorchFunctionMode that records every scaled_dot_product_attention call and the kernel this CPU runs for it
     (torch._fused_sdp_choice: 1 = flash, which keeps O(T * d) + LSE for backward, like CUDA's flash / memory-efficient
@@ -204,11 +241,10 @@ class SdpaLog:
 
 
 def measure_activations(cfg, factor: float, precision: str) -> dict:
-    """One forward + backward of the recipe's largest micro-batch at width `factor`, on CPU, under torch's MemTracker
+    """One forward + backward of the recipe's largest micro-batch at width `factor`, on CPU, under LiveBytes
     (every tensor the step allocates, by its real size and dtype, freed when its storage dies): its peak, less the
     gradients of the trainable parameters (counted exactly in state_bytes). Run in a child process."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from deepspec.train.precision import setup_precision
 
@@ -224,9 +260,9 @@ def measure_activations(cfg, factor: float, precision: str) -> dict:
     n_grad = sum(p.numel() * 4 for p in draft.parameters() if p.requires_grad)
     n_rows = len(draft.taps) * (draft.arch.target_hc_mult if draft.arch.tap_reduction == "concat" else 1)
     sdpa = SdpaLog()
-    mt = MemTracker()
+    mt = LiveBytes()
     t0 = time.perf_counter()
-    with mt, sdpa.mode:
+    with sdpa.mode, mt.mode:
         batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         with ctx:
@@ -234,8 +270,7 @@ def measure_activations(cfg, factor: float, precision: str) -> dict:
         loss.backward()
         del batch, loss
     seconds = time.perf_counter() - t0
-    peak = mt.get_tracker_snapshot("peak")
-    total = max(d["Total"] for d in peak.values())
+    total = mt.peak
     kernels: dict[str, int] = {}
     for c in sdpa.calls:
         kernels[c["kernel"]] = kernels.get(c["kernel"], 0) + 1
@@ -290,7 +325,7 @@ def recipe_main(args) -> dict:
             "tokens, packed as the recipe packs; the recipe's anchors, layers, block / TTT depth, draft vocabulary and "
             f"{precision} autocast) on CPU at reduced width: hidden size, MLP size and attention heads x"
             f"{' and x'.join(str(f) for f in args.factors)} (head dim, vocabulary, tokens, layers as published). torch's "
-            "MemTracker counts every tensor the step allocates at its real size and dtype; its peak less the trainable "
+            "dispatch mode (LiveBytes) counts every storage the step allocates at its real size and dtype while it lives; its peak less the trainable "
             "parameters' gradients is the step's activation memory. Activations are linear in the width at fixed tokens "
             "(hidden states, projections, heads, tap features: T x width; logits chunks, labels, indices, the single KV "
             "head's keys: width-free), so two widths give activations = fixed + slope x hidden, extrapolated to the real "
