@@ -56,3 +56,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def logs(caplog):
+    """caplog for deepspec's logger, which stops propagating once a CLI entry point configured logging."""
+    import logging
+
+    logger = logging.getLogger("deepspec")
+    logger.addHandler(caplog.handler)
+    caplog.set_level("INFO", logger="deepspec")
+    yield caplog
+    logger.removeHandler(caplog.handler)

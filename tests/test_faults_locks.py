@@ -42,18 +42,6 @@ def holder():
         proc.wait()
 
 
-@pytest.fixture
-def logs(caplog):
-    """caplog for deepspec's logger, which stops propagating once a CLI entry point configured logging."""
-    import logging
-
-    logger = logging.getLogger("deepspec")
-    logger.addHandler(caplog.handler)
-    caplog.set_level("INFO", logger="deepspec")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def test_second_training_run_on_a_folder_in_use_stops_at_once_naming_the_holder(tmp_path, holder):
     from deepspec.config import load_config, save_config
 

@@ -67,18 +67,6 @@ logging: {{progress: false, wandb: false, tensorboard: false}}
     return path
 
 
-@pytest.fixture
-def logs(caplog):
-    """caplog for deepspec's logger, which stops propagating once a CLI entry point configured logging."""
-    import logging
-
-    logger = logging.getLogger("deepspec")
-    logger.addHandler(caplog.handler)
-    caplog.set_level("INFO", logger="deepspec")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def _cfg(recipe: Path, *opts: str):
     from deepspec.config import load_config
 
