@@ -205,6 +205,37 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(recipe):
     assert "SIGUSR1 received" in err and "Traceback" not in err, err[-3000:]
 
 
+@pytest.mark.parametrize(
+    "codes, expected",
+    [
+        ((138, -signal.SIGTERM), 138),  # rank 0 left first; torchrun SIGTERMed rank 1 while it tore down
+        ((143, 143), 143),
+        ((138, -signal.SIGKILL), 138),
+        ((1, -signal.SIGTERM), None),  # a real failure stays one
+        ((-signal.SIGTERM, -signal.SIGTERM), None),  # nobody checkpointed on a signal: not a preemption
+    ],
+)
+def test_launcher_reads_a_peer_torn_down_after_a_preemption_as_the_preemption(monkeypatch, codes, expected, capsys):
+    """torchrun reports the rank that exits first with 128 + signal and SIGTERMs the rest; the launcher's status is the
+    preemption's whichever rank torchrun caught first."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from deepspec.train.launcher import run_torchrun
+
+    def fail(argv):
+        raise ChildFailedError("deepspec.train.worker",
+                               {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in enumerate(codes)})
+
+    monkeypatch.setattr(torchrun, "main", fail)
+    if expected is None:
+        with pytest.raises(ChildFailedError):
+            run_torchrun([])
+    else:
+        assert run_torchrun([]) == expected
+        assert "checkpointed their last step" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- non-finite numbers
 
 

@@ -112,7 +112,11 @@ def run_torchrun(argv: Sequence[str]) -> int:
         return code
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes and codes <= PREEMPTED_CODES:
+        # a rank that exits first (its checkpoint is complete: saving ends in a barrier) makes torchrun SIGTERM / SIGKILL
+        # the ranks still tearing down; those are part of the same preemption, not a failure of their own
+        torn_down = {-signal.SIGTERM, -signal.SIGKILL}
+        if codes & PREEMPTED_CODES and codes <= PREEMPTED_CODES | torn_down:
+            codes &= PREEMPTED_CODES
             code = max(codes)
             print(f"deepspec: the workers were stopped by {signal.Signals(code - 128).name} and checkpointed their last "
                   f"step; rerun the same command to resume (exit status {code}).", file=sys.stderr)
