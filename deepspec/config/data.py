@@ -114,7 +114,12 @@ class CacheConfig:
     capture_backend: Literal["hf", "vllm"] = "hf"
     # Extra keyword arguments for vllm.LLM(...) when capture_backend is vllm.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A build stops before loading the target when what it still has to write exceeds this many GB (10^9 bytes)
+    # or the free disk of cache.dir; null = only the free disk.
+    max_gb: float | None = None
 
     def validate(self) -> None:
         if self.max_length < 8:
             raise ConfigError(f"cache.max_length={self.max_length} is too small; use at least 8 tokens.")
+        if self.max_gb is not None and self.max_gb <= 0:
+            raise ConfigError(f"cache.max_gb={self.max_gb} must be positive (or null for no limit but the free disk).")

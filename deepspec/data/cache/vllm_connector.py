@@ -5,6 +5,9 @@ and writes them from a thread pool, which fails on CPU builds (`pin_memory=True 
 CUDA backend`). This subclass gathers the captured rows from the hidden-state cache and writes
 the file in place (tmp + rename), then reports the request as done; vLLM loads it by module
 path (`kv_connector_module_path`), so this module is imported only inside vLLM's workers.
+
+It reuses private members of vLLM's class (listed and checked in deepspec/data/cache/vllm_internals.py): the
+module refuses to load, and the connector to start, with one error naming whatever a vLLM release renamed.
 """
 
 from __future__ import annotations
@@ -13,13 +16,20 @@ import os
 
 import torch
 from safetensors.torch import save_file
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector,
-    extract_from_kv_cache,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _base
+
+from deepspec.data.cache.vllm_internals import check_connector_instance, check_vllm_internals
+
+check_vllm_internals(_base)
+ExampleHiddenStatesConnector = _base.ExampleHiddenStatesConnector
+extract_from_kv_cache = _base.extract_from_kv_cache
 
 
 class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_connector_instance(self)
+
     def _submit_async_write(self, pending) -> None:
         if not self._is_tp_rank_zero:
             return
@@ -39,8 +49,10 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata():
-            for pending in getattr(self._get_connector_metadata(), "pending_saves", []):
-                self._submit_async_write(pending)
+            meta = self._get_connector_metadata()
+            if isinstance(meta, _base.ExampleHiddenStatesConnectorMetadata):
+                for pending in meta.pending_saves:
+                    self._submit_async_write(pending)
         self._accumulated_finished_req_ids.update(finished_req_ids)
         done: set[str] = set()
         for req_id in list(self._accumulated_finished_req_ids):

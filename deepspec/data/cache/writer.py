@@ -25,6 +25,7 @@ import numpy as np
 
 from deepspec import __version__
 from deepspec.data.cache import format as fmt
+from deepspec.data.cache.guards import check_size, check_workers
 from deepspec.cpus import threads_per_worker
 from deepspec.diskfull import room_for
 from deepspec.data.chat import render_conversation
@@ -567,6 +568,7 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
     directory = Path(directory)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
+    check_workers(cfg, world_env if world_env > 1 else (nproc or cfg.cache.num_workers or 1))
     if overwrite and directory.exists() and rank_env == 0:
         shutil.rmtree(directory)
     if world_env > 1:
@@ -583,14 +585,15 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
             f"{directory} holds a complete cache built with different settings ({', '.join(diffs)} differ); "
             "rerun with --overwrite to rebuild it."
         )
-    directory.mkdir(parents=True, exist_ok=True)
-    if rank_env == 0:
-        _plan_check(directory, plan)
     est = estimate(plan)
     log.info(
         "cache %s: %d samples, %d tokens (%d dropped < %d loss tokens, %d truncated) -> %.3f GiB in %d shard(s)",
         split, est["samples"], est["tokens"], est["dropped_short"], cfg.cache.min_loss_tokens, est["truncated"], est["gib"], est["shards"],
     )
+    _size_check(directory, plan, cfg, world_env, rank_env)  # before any file is written or any target is loaded
+    directory.mkdir(parents=True, exist_ok=True)
+    if rank_env == 0:
+        _plan_check(directory, plan)
     if world_env > 1:
         _barrier()
         _plan_check(directory, plan)
@@ -624,6 +627,26 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
     if world_env > 1:
         _barrier()
     return directory
+
+
+def _size_check(directory: Path, plan: Plan, cfg, world: int, rank: int) -> None:
+    """guards.check_size, decided once: under torchrun rank 0 checks and every rank raises the same error (a rank
+    that passed while another stopped would wait at the next barrier for hours)."""
+    if world <= 1:
+        check_size(directory, plan, cfg)
+        return
+    import torch.distributed as dist
+
+    message = [None]
+    if rank == 0:
+        try:
+            check_size(directory, plan, cfg)
+        except CacheError as e:
+            message = [str(e)]
+    _barrier()  # joins the group
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise CacheError(message[0])
 
 
 def _barrier() -> None:
