@@ -74,8 +74,10 @@ class DraftBatch:
         return DraftBatch(**moved)
 
     def pin_memory(self) -> "DraftBatch":
-        """Page-locked copy (DataLoader's pin thread calls this)."""
-        return DraftBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() for f in fields(self)})
+        """Page-locked copy of the host tensors (DataLoader's pin thread calls this); tensors already on an accelerator
+        (online features computed there) stay where they are."""
+        return DraftBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() if v.device.type == "cpu" else v
+                             for f in fields(self)})
 
     @property
     def num_loss_tokens(self) -> int:

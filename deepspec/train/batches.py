@@ -216,8 +216,8 @@ def pack_batch(batch: DraftBatch, pack_tokens: int) -> DraftBatch:
     width = max(sum(lengths[i] for i in row) for row in layout)
     rows_n = len(layout)
 
-    def empty(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((rows_n, width, *x.shape[2:]), dtype=x.dtype)
+    def empty(x: torch.Tensor) -> torch.Tensor:  # on x's device: online features stay on the target's GPU
+        return torch.zeros((rows_n, width, *x.shape[2:]), dtype=x.dtype, device=x.device)
 
     names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
     names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]

@@ -2,8 +2,15 @@
 
 No disk, no cache build: the trainer iterates `OnlineDataset` (token ids + loss masks from
 chat.py, exactly as the cache writer tokenizes) with the same `ResumableBatchSampler`, and
-`OnlineFeatures.collate` runs the target once per batch to fill taps and the final hidden
-state. Features are float32 straight from the target (the cache rounds them to bf16/fp8).
+`OnlineFeatures` (the batch's collate) runs the target once per batch to fill taps and the final hidden
+state. Features are the target's own output (the cache rounds them to bf16/fp8).
+
+Bytes move once, or not at all: the batch's features stay where the target computed them, in its dtype (bf16 on a
+GPU), so with the target on the trainer's GPU they never leave it — no device-to-host copy, no float32 host tensor,
+no copy back; the trainer widens them on its device (`DraftBatch.to`). Only token ids and masks, which the loop
+counts on the host, are built there. Memory per GPU: the target's weights in its dtype (an 8B target is ~16 GB in
+bf16) plus its activations for one micro-batch and the prefetched batches' features, beside the draft's state
+(docs/data.md).
 """
 
 from __future__ import annotations
@@ -85,7 +92,46 @@ class OnlineFeatures:
                 })
         return out
 
-    def __call__(self, samples: Sequence[Sample]):
-        from deepspec.data.cache.reader import collate
+    def __call__(self, samples: Sequence[Sample], pin: bool = False):
+        """A DraftBatch whose features stay on the target's device in the target's dtype (padding zeroed, as the
+        cache's collate pads); ids and masks on the host (page-locked with `pin`), as the trainer counts them there."""
+        import torch
 
-        return collate(self.features(samples), pad_token_id=self.pad_token_id)
+        from deepspec.data.cache.writer import _batches, device_features
+        from deepspec.drafts.base import DraftBatch
+
+        samples = list(samples)
+        if not samples:
+            from deepspec.errors import CacheError
+
+            raise CacheError("OnlineFeatures got an empty list of samples.")
+        lengths = [len(s.input_ids) for s in samples]
+        B, T = len(samples), max(lengths)
+        ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        lm = torch.zeros(B, T, dtype=torch.bool)
+        am = torch.zeros(B, T, dtype=torch.bool)
+        for b, s in enumerate(samples):
+            ids[b, : lengths[b]] = torch.from_numpy(s.input_ids.astype(np.int64))
+            lm[b, : lengths[b]] = torch.from_numpy(s.loss_mask.astype(bool))
+            am[b, : lengths[b]] = True
+        groups = _batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
+        if len(groups) == 1:
+            feats = device_features(self.model, samples, self.taps, self.tap_reduction)
+        else:  # several target forwards: rows gathered into one [B, T, ...] tensor on the device
+            feats, b = None, 0
+            for group in groups:
+                g = device_features(self.model, group, self.taps, self.tap_reduction)
+                if feats is None:
+                    feats = g.new_zeros((B, T, *g.shape[2:]))
+                feats[b : b + g.shape[0], : g.shape[1]] = g
+                b += g.shape[0]
+        feats.masked_fill_(~am.to(feats.device, non_blocking=True)[:, :, None, None], 0)  # the cache pads with zeros
+        n = len(self.taps)
+        rows = (feats.shape[2] - 1) // n
+        taps = feats[:, :, : n * rows].reshape(B, T, n, rows * feats.shape[-1])
+        final = feats[:, :, n * rows]
+        if pin:
+            ids, lm, am = ids.pin_memory(), lm.pin_memory(), am.pin_memory()
+            if feats.device.type == "cpu":  # a target on the host (e.g. device_map spilling to CPU) feeding a GPU
+                taps, final = taps.pin_memory(), final.pin_memory()
+        return DraftBatch(input_ids=ids, loss_mask=lm, attention_mask=am, taps=taps, final_hidden=final)

@@ -263,9 +263,10 @@ def _batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
     return out
 
 
-def sample_features(model, batch: list[Sample], taps: list[int], reduction: str = "mean"):
-    """Run the target on a right-padded batch: yields per-sample features [T, n_taps * rows + 1, H] (float32),
-    each tap reduced by `reduction` to W = rows * H and stored as its `rows` slices of H (rows = 1 unless concat)."""
+def device_features(model, batch: list[Sample], taps: list[int], reduction: str = "mean"):
+    """Run the target on a right-padded batch: features [B, T, n_taps * rows + 1, H] where the target computed them
+    (its device, its dtype), each tap reduced by `reduction` to W = rows * H and stored as its `rows` slices of H
+    (rows = 1 unless concat). Rows past a sample's length are the target's output for padding, not zeros."""
     import torch
 
     from deepspec.targets import capture
@@ -282,7 +283,12 @@ def sample_features(model, batch: list[Sample], taps: list[int], reduction: str 
     tap_h, final = capture(model, ids.to(device), taps, attention_mask=mask, reduction=reduction)
     B, T, n, W = tap_h.shape
     H = final.shape[-1]
-    feats = torch.cat([tap_h.reshape(B, T, n * W // H, H), final.unsqueeze(2)], dim=2).float().cpu()
+    return torch.cat([tap_h.reshape(B, T, n * W // H, H), final.unsqueeze(2)], dim=2)
+
+
+def sample_features(model, batch: list[Sample], taps: list[int], reduction: str = "mean"):
+    """`device_features` per sample, on the host in float32: yields (sample, features [T, n_taps * rows + 1, H])."""
+    feats = device_features(model, batch, taps, reduction).float().cpu()
     for b, s in enumerate(batch):
         yield s, feats[b, : len(s.input_ids)]
 

@@ -1,0 +1,109 @@
+"""Co-located online mode (cache.mode=online): the batch's features stay where the target computed them, in its dtype,
+and a draft trained on them sees the offline cache's loss for the same samples."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspec.config import config_from_dict
+from deepspec.config.model import ModelConfig
+from deepspec.data.cache.reader import collate, open_cache
+from deepspec.data.cache.writer import build_cache
+
+WORDS = "the cat sat on a mat and then it ran far away to find some food".split()
+
+
+@pytest.fixture(scope="module")
+def fp32_cache(tmp_path_factory, tiny_llama_dir):
+    """An exact (fp32) cache captured one sample per forward, as online mode with max_batch_tokens=1 captures."""
+    root = tmp_path_factory.mktemp("online")
+    rng = random.Random(0)
+    (root / "data").mkdir()
+    with open(root / "data" / "regenerated.jsonl", "w") as f:
+        for i in range(6):
+            conv = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 9)))},
+                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(10, 30)))}]
+            f.write(json.dumps({"id": f"c{i}", "conversations": conv}) + "\n")
+    cfg = config_from_dict({
+        "target": {"name": str(tiny_llama_dir)},
+        "data": {"dir": str(root / "data")},
+        "cache": {"dir": str(root / "cache"), "dtype": "fp32", "batch_tokens": 1, "max_length": 128},
+        "model": {"target_layer_ids": [0, 2, 4]},
+    })
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        d = build_cache(cfg, "train")
+    return cfg, open_cache(d, cfg=cfg)
+
+
+def _target(tiny_llama_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval()
+
+
+def _online(cfg, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from deepspec.data.cache.online import OnlineDataset
+
+    return OnlineDataset.from_config(cfg, AutoTokenizer.from_pretrained(tiny_llama_dir))
+
+
+def test_online_batch_gives_the_offline_loss(fp32_cache, tiny_llama_dir, one_torch_thread):
+    from deepspec.data.cache.online import OnlineFeatures
+    from deepspec.drafts import get_algorithm
+
+    cfg, ds = fp32_cache
+    model = _target(tiny_llama_dir)
+    online = _online(cfg, tiny_llama_dir)
+    idx = [0, 2, 3, 5]
+    assert [online[i].id for i in idx] == [ds.sample_id(i) for i in idx]
+    torch.manual_seed(0)
+    draft = get_algorithm("eagle3").from_target_config(model.config, ModelConfig(algorithm="eagle3", target_layer_ids=ds.taps, ttt_length=3))
+    draft.eval()
+    off = collate([ds[i] for i in idx]).to("cpu", torch.float32)
+    loss_off, _ = draft.loss(off)
+    # one target forward per sample, as the cache was captured: the same features and the same loss, exactly
+    on = OnlineFeatures(model, ds.taps, max_batch_tokens=1)([online[i] for i in idx]).to("cpu", torch.float32)
+    for name in ("input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"):
+        assert torch.equal(getattr(on, name), getattr(off, name)), name
+    assert torch.equal(draft.loss(on)[0], loss_off)
+    # the whole micro-batch in one padded forward: the same loss up to fp32 round-off
+    on = OnlineFeatures(model, ds.taps)([online[i] for i in idx]).to("cpu", torch.float32)
+    assert torch.equal(on.attention_mask, off.attention_mask) and (on.taps[~on.attention_mask] == 0).all()
+    torch.testing.assert_close(draft.loss(on)[0], loss_off, rtol=1e-5, atol=1e-6)
+
+
+def test_online_features_stay_on_the_target_device_in_its_dtype(fp32_cache, tiny_llama_dir, monkeypatch, one_torch_thread):
+    """No host conversion: features come back in the target's dtype (bf16 here), on its device, never via .cpu() or
+    a float32 widening; their values are the ones the host path rounds from the same forward."""
+    from deepspec.data.cache.online import OnlineFeatures
+    from deepspec.data.cache.writer import sample_features
+
+    cfg, ds = fp32_cache
+    model = _target(tiny_llama_dir, torch.bfloat16)
+    samples = [_online(cfg, tiny_llama_dir)[i] for i in (1, 4)]
+    feats = OnlineFeatures(model, ds.taps)
+    host = dict((s.id, f) for s, f in sample_features(model, samples, ds.taps))  # the old path: .float().cpu()
+
+    def no_host_copy(self, *a, **k):
+        raise AssertionError("online features were copied to the host")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", no_host_copy)
+    batch = feats(samples)
+    monkeypatch.undo()
+    device = next(model.parameters()).device
+    for t in (batch.taps, batch.final_hidden):
+        assert t.dtype == torch.bfloat16 and t.device == device
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        want = host[s.id]
+        assert torch.equal(batch.taps[b, :n].float(), want[:, :3]) and torch.equal(batch.final_hidden[b, :n].float(), want[:, 3])
+    widened = batch.to(device, torch.float32)  # what the trainer does, on its device
+    assert widened.taps.dtype == torch.float32
