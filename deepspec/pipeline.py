@@ -175,10 +175,10 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
             if "skipped" not in v and t not in tasks:
                 tasks.append(t)
     lines += [
-        "## tau per benchmark (ours, greedy unless configured; tau counts the bonus token)",
+        "## tau per benchmark (ours; tau counts the bonus token; overall pooled over every round / mean of the benchmarks)",
         "",
-        "| algorithm | " + " | ".join(tasks) + " | overall | speedup | vLLM tau (S spec tokens) | ours tau@S | vLLM per-position acceptance | vLLM speedup (1 / 16 requests) |",
-        "|---" * (len(tasks) + 7) + "|",
+        "| algorithm | protocol | " + " | ".join(tasks) + " | overall (pooled) | overall (benchmark mean) | speedup | vLLM tau (S spec tokens, pooled) | ours tau@S (pooled) | vLLM per-position acceptance | vLLM speedup (1 / 16 requests) |",
+        "|---" * (len(tasks) + 9) + "|",
     ]
     for r in recipes:
         res = r.results or {}
@@ -190,13 +190,14 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
         per_pos = eng.get("engine_survival") or []
         speedup = f"{_fmt(overall['speedup'])}x" if overall.get("speedup") is not None else "not timed"
         pos = " / ".join(f"{p:.0%}" for p in per_pos) if per_pos else "–"
+        mean = res.get("overall_benchmark_mean") or {}
         lines.append(
-            f"| {r.cfg.model.algorithm} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {speedup} | {eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} | "
-            + _served_speedup((res.get("engine") or {}).get("speedup")) + " |"
+            f"| {r.cfg.model.algorithm} | {_protocol(res)} | " + " | ".join(row) + f" | **{_fmt(overall.get('tau'))}** | {_fmt(mean.get('tau'))} | {speedup} | "
+            f"{eng_tau} | {_fmt(eng.get('ours_tau_at_S'))} | {pos} | " + _served_speedup((res.get("engine") or {}).get("speedup")) + " |"
         )
     lines += served_by_engine_markdown(recipes, tasks)
     lines += split_summary_markdown(recipes, tasks)
-    lines += ["", "## per-depth conditional acceptance acc_cond@k (overall)", ""]
+    lines += ["", "## per-depth conditional acceptance acc_cond@k (overall, pooled)", ""]
     depth = max((len(((r.results or {}).get("overall") or {}).get("acc_cond") or []) for r in recipes), default=0)
     if depth:
         lines += ["| algorithm | " + " | ".join(f"k={k}" for k in range(1, depth + 1)) + " |", "|---" * (depth + 1) + "|"]
@@ -212,6 +213,12 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _protocol(res: dict[str, Any]) -> str:
+    """The draft-sampling protocol an eval's figures were measured under (the engine's too: it is started with it)."""
+    meta = res.get("meta") or {}
+    return meta.get("protocol") or (f"T={meta['temperature']}" if "temperature" in meta else "–")
+
+
 def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
     """acc0, acceptance per depth, E[A]@S3, E[A]@S7 and tau@3 per split and algorithm, as one table."""
     from deepspec.eval.report import split_table
@@ -220,7 +227,8 @@ def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> lis
     if not any(row for _, row in rows):
         return []
     budget = recipes[0].cfg.eval.max_new_tokens
-    return ["", f"## per split (answers up to {budget} tokens): acc0, acceptance per depth, E[A]@S3, E[A]@S7, tau@3", "",
+    protos = sorted({_protocol(r.results or {}) for r in recipes})
+    return ["", f"## per split (answers up to {budget} tokens): acc0, acceptance per depth, E[A]@S3, E[A]@S7, tau@3 ({', '.join(protos)})", "",
             *split_table(rows, budget, label="algorithm / split")]
 
 
@@ -240,16 +248,16 @@ def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> 
     s = (served[0].results["engine"]).get("num_speculative_tokens")
     lines = [
         "",
-        f"## served by vLLM: mean acceptance length per benchmark, {s} speculative tokens (ours tau@{s} in brackets)",
+        f"## served by vLLM: mean acceptance length per benchmark, {s} speculative tokens (ours tau@{s} in brackets, same protocol)",
         "",
-        "| algorithm | " + " | ".join(tasks) + " | overall |",
-        "|---" * (len(tasks) + 2) + "|",
+        "| algorithm | protocol | " + " | ".join(tasks) + " | overall (pooled) | overall (benchmark mean) |",
+        "|---" * (len(tasks) + 4) + "|",
     ]
     for r in served:
         eng = r.results["engine"]
-        cells = [eng["tasks"].get(t) or {} for t in tasks] + [eng.get("overall") or {}]
+        cells = [eng["tasks"].get(t) or {} for t in tasks] + [eng.get("overall") or {}, eng.get("overall_benchmark_mean") or {}]
         lines.append(
-            f"| {r.cfg.model.algorithm} | "
+            f"| {r.cfg.model.algorithm} | {eng.get('protocol') or _protocol(r.results)} | "
             + " | ".join(f"{_fmt(c.get('engine_tau'))} ({_fmt(c.get('ours_tau_at_S'))})" for c in cells)
             + " |"
         )
@@ -266,12 +274,17 @@ def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
             "checkpoint": str(r.checkpoint) if r.checkpoint else None,
             "eval_dir": str(r.eval_dir) if r.eval_dir else None,
             "plot": str(r.eval_dir / "acceptance.png") if r.eval_dir else None,
+            "protocol": _protocol(res),
+            "serving_mode": (res.get("meta") or {}).get("serving_mode"),
             "overall": res.get("overall"),
-            "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup", "acc0", "E[A]@S3", "E[A]@S7", "tau@3")}
+            "overall_benchmark_mean": res.get("overall_benchmark_mean"),
+            "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup", "acc0", "E[A]@S3", "E[A]@S7", "tau@3", "protocol")}
                       for t, v in (res.get("tasks") or {}).items() if "skipped" not in v},
             "engine": (res.get("engine") or {}).get("overall"),
             "engine_tasks": (res.get("engine") or {}).get("tasks"),
             "engine_num_speculative_tokens": (res.get("engine") or {}).get("num_speculative_tokens"),
+            "engine_protocol": (res.get("engine") or {}).get("protocol"),
+            "engine_seeded": (res.get("engine") or {}).get("seeded"),
             "engine_speedup": (res.get("engine") or {}).get("speedup"),
             "stages": [{"name": s.name, "seconds": s.seconds, "reused": s.skipped} for s in r.stages],
         })

@@ -60,10 +60,12 @@ def test_greedy_lossless(algo, family):
     assert spec2.tokens == ref2
 
 
+@pytest.mark.parametrize("method", ["probabilistic", "greedy"])
 @pytest.mark.parametrize("algo", ALGOS)
-def test_self_draft_is_accepted(algo):
-    """A draft trained on nothing still agrees with the target when both predict the same argmax:
-    here we only check sampled decoding runs and is reproducible with a seed (T=1)."""
+def test_self_draft_is_accepted(algo, method):
+    """Sampled decoding (T=1) with every algorithm's real proposer runs under both draft-sampling protocols and is
+    reproducible with a seed; under `greedy` the proposer drafts its argmax (the target-distribution checks of both
+    protocols are in tests/test_eval_protocols.py)."""
     from deepspec.eval.decode import generate_speculative
     from deepspec.targets import tiny_target
 
@@ -72,7 +74,20 @@ def test_self_draft_is_accepted(algo):
     prompt = list(tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
     outs = [
         generate_speculative(model, draft.proposer(), draft.taps, prompt, max_new_tokens=16, num_draft_tokens=3,
-                             temperature=1.0, generator=torch.Generator().manual_seed(11)).tokens
+                             temperature=1.0, generator=torch.Generator().manual_seed(11), draft_sample_method=method).tokens
         for _ in range(2)
     ]
     assert outs[0] == outs[1] and len(outs[0]) == 16
+    if method == "greedy":  # the drafts are the proposer's T=0 drafts, whatever the target samples
+        prop = draft.proposer()
+        calls = []
+        real = prop.propose
+
+        def spy(*a, **kw):
+            calls.append(kw.get("temperature"))
+            return real(*a, **kw)
+
+        prop.propose = spy
+        generate_speculative(model, prop, draft.taps, prompt, max_new_tokens=6, num_draft_tokens=3, temperature=1.0,
+                             generator=torch.Generator().manual_seed(1), draft_sample_method="greedy")
+        assert calls and set(calls) == {0.0}

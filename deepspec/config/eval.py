@@ -23,6 +23,12 @@ class EvalConfig:
     task_max_samples: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 2048
     temperature: float = 0.0
+    # How drafts are drawn at T > 0 (same name and values as vLLM's speculative-config field): `probabilistic` samples
+    # drafts from the draft's softmax(z / T) and accepts with min(1, p / q) — DeepSpec's protocol, the one the papers
+    # report, so it stays the default and published figures compare; `greedy` drafts the argmax and accepts iff
+    # u < p(x), as vLLM serves unless told otherwise (lower acceptance at the same draft). The engine-backed eval starts
+    # vLLM with the same value. At T = 0 both are greedy verification. Every tau reported names its protocol.
+    draft_sample_method: Literal["probabilistic", "greedy"] = "probabilistic"
     num_draft_tokens: int = 7
     seed: int = 980406
     # 0 = one worker per visible GPU, or 1 on CPU; N = N workers (samples strided over them, results merged).
@@ -60,6 +66,8 @@ class EvalConfig:
             raise ConfigError(f"eval.num_draft_tokens must be >= 1, got {self.num_draft_tokens}.")
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if self.draft_sample_method not in ("probabilistic", "greedy"):
+            raise ConfigError(f"eval.draft_sample_method must be probabilistic or greedy, got {self.draft_sample_method!r}.")
         if self.max_new_tokens < 1:
             raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.num_workers < 0:

@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-samples", type=int, default=None, help="samples per benchmark (default: DeepSpec's caps)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    parser.add_argument("--draft-sample-method", choices=["probabilistic", "greedy"], default=None,
+                        help="how drafts are drawn at T > 0: probabilistic (default; the papers' protocol) or greedy "
+                        "(argmax drafts, vLLM's default); the engine-backed eval uses the same")
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per verify round")
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: one per GPU, 1 on CPU)")
     parser.add_argument("--target", default=None, help="override the target from the checkpoint's provenance")
@@ -38,6 +41,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     if args.tasks:
         opts.append("eval.tasks=[" + ",".join(args.tasks) + "]")
     for flag, key in (("max_samples", "max_samples"), ("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
+                      ("draft_sample_method", "draft_sample_method"),
                       ("num_draft_tokens", "num_draft_tokens"), ("nproc", "num_workers"), ("engine", "engine"),
                       ("output_dir", "output_dir")):
         v = getattr(args, flag)

@@ -18,7 +18,7 @@ import torch
 
 from deepspec.drafts.base import Proposer
 from deepspec.eval.metrics import AcceptanceStats
-from deepspec.eval.sampling import next_token, verify
+from deepspec.eval.sampling import draft_temperature, next_token, verify
 from deepspec.targets.taps import tap_hooks
 
 
@@ -137,10 +137,14 @@ def generate_speculative(
     eos_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
     tap_reduction: str | None = None,
+    draft_sample_method: str = "probabilistic",
 ) -> Generation:
     """Speculative decoding of one answer; returns the tokens and the per-round acceptance counters.
 
     `tap_reduction` (multi-stream targets: mean | concat of the streams) defaults to the proposer's draft's.
+    `draft_sample_method` (T > 0 only): `probabilistic` drafts are sampled at the target's temperature and verified
+    with their q (the papers' protocol); `greedy` drafts are the draft's argmax, verified as vLLM does by default
+    (eval/sampling.py). At T = 0 both are greedy verification.
 
     Lossless: at T=0 the tokens equal the target's greedy tokens; at T>0 they are distributed as the
     target's samples (exact rejection sampling in `verify`).
@@ -151,6 +155,7 @@ def generate_speculative(
     stats = AcceptanceStats()
     proposer.reset()
     tap_reduction = tap_reduction or _draft_tap_reduction(proposer)
+    t_draft = draft_temperature(temperature, draft_sample_method)
     _sync(device)
     t0 = time.perf_counter()
     with tap_hooks(model, taps, tap_reduction) as recorder:  # hooks on the tapped modules for this answer
@@ -163,7 +168,7 @@ def generate_speculative(
         stopped = first in eos_ids
         while not stopped and len(tokens) < max_new_tokens:
             ids = torch.tensor(committed, dtype=torch.long, device=device)
-            drafts, q = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=temperature, generator=generator)
+            drafts, q = proposer.propose(ids, new_taps, seen, num_draft_tokens, temperature=t_draft, generator=generator)
             seen = len(committed) - 1
             drafts = drafts.to(device=device, dtype=torch.long).reshape(-1)[:num_draft_tokens]
             k = int(drafts.shape[0])
@@ -171,7 +176,8 @@ def generate_speculative(
             verify_in = torch.cat([ids[-1:], drafts])
             out, cache = _forward(model, verify_in, cache)
             verify_taps = recorder.stacked(device)[0]  # [1 + k, n_taps, W]: this forward's positions
-            n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator)
+            n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator,
+                                method=draft_sample_method)
             new, stopped = _commit_round(stats, drafts[:n].tolist(), k, emitted, eos_ids, max_new_tokens - len(tokens))
             tokens.extend(new)
             committed.extend(new)

@@ -6,6 +6,13 @@ engine's own first answer) and read vLLM's Prometheus spec-decode counters befor
 benchmark. Engine τ = 1 + Δaccepted / Δdrafts; engine per-position rate i = Δaccepted_at_pos_i / Δdrafts,
 which is prefix survival s_{i+1} (accepted drafts always form a prefix). Ours is compared at the same
 number of speculative tokens S: τ@S = 1 + E[A]@S and survival@1..S.
+
+Like for like: vLLM is started with `draft_sample_method` = eval.draft_sample_method (vLLM 0.32 takes `greedy`, its
+default, and `probabilistic`), each request asks for plain temperature sampling (top_p 1, top_k off, no penalties,
+whatever the target's generation_config says), and `compare` gives a relative difference only when both sides ran
+the same protocol. vLLM's CPU build cannot honour a per-request seed (its worker calls `Generator.set_offset`, which
+a CPU generator refuses, and the engine dies), so requests are seeded only when the engine runs on a GPU; the
+results say whether the engine run was seeded.
 """
 
 from __future__ import annotations
@@ -62,13 +69,21 @@ def engine_speculative_tokens(cfg, meta: dict[str, Any]) -> int:
     return s
 
 
-def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, Any]:
-    """Engine counters delta vs our metrics for one benchmark, at S speculative tokens."""
+def compare(ours: dict[str, Any], engine: dict[str, Any], s: int, ours_protocol: str | None = None,
+            engine_protocol: str | None = None) -> dict[str, Any]:
+    """Engine counters delta vs our metrics for one benchmark, at S speculative tokens.
+
+    The protocols (eval/sampling.py `protocol_name`) name how each side drew its drafts; when they differ the
+    figures are reported side by side but no relative difference is given (it would compare two protocols)."""
     ea = ours.get("expected_accepted") or []
     ours_tau_s = 1 + ea[s - 1] if len(ea) >= s and ea[s - 1] is not None else None
     e_tau = engine.get("mean_acceptance_length")
-    diff = (e_tau - ours_tau_s) / ours_tau_s if e_tau is not None and ours_tau_s else None
+    same = ours_protocol == engine_protocol
+    diff = (e_tau - ours_tau_s) / ours_tau_s if same and e_tau is not None and ours_tau_s else None
     return {
+        "ours_protocol": ours_protocol,
+        "engine_protocol": engine_protocol,
+        "same_protocol": same,
         "engine_tau": e_tau,
         "ours_tau": ours.get("tau"),
         "ours_tau_at_S": ours_tau_s,
@@ -85,11 +100,13 @@ def compare(ours: dict[str, Any], engine: dict[str, Any], s: int) -> dict[str, A
 class _Client:
     """OpenAI-compatible chat client with per-request token budgets that fit max_model_len."""
 
-    def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int, max_new_tokens: int | None = None):
+    def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int, max_new_tokens: int | None = None,
+                 seeded: bool = True):
         import httpx
 
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
         self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
+        self.seeded = seeded
         self.max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
         self.skipped = 0
         self.completion_tokens = 0  # summed over requests (the engine's own usage count)
@@ -105,9 +122,11 @@ class _Client:
             self.skipped += 1
             return None
         body = {
-            "model": self.model, "messages": messages, "max_tokens": budget, "temperature": self.cfg.eval.temperature,
-            "seed": seed, "chat_template_kwargs": kwargs,
+            "model": self.model, "messages": messages, "max_tokens": budget, "chat_template_kwargs": kwargs,
+            **PLAIN_SAMPLING, "temperature": self.cfg.eval.temperature,
         }
+        if self.seeded:
+            body["seed"] = seed
         r = self.http.post("/chat/completions", json=body)
         if r.status_code != 200:
             raise EngineError(f"vLLM answered {r.status_code} to a chat request: {r.text[:300]}")
@@ -124,6 +143,21 @@ class _Client:
             if answer is None:
                 return
             messages.append({"role": "assistant", "content": answer})
+
+
+# What our evaluator samples with: softmax(z / T) and nothing else. Sent explicitly because vLLM otherwise applies the
+# target's generation_config defaults (e.g. Qwen3's top_k 20 / top_p 0.95), which would change the protocol.
+PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                  "frequency_penalty": 0.0}
+
+
+def engine_seeded() -> bool:
+    """Whether requests may carry a per-request seed: vLLM's CPU build dies on one (`Generator.set_offset` on a CPU
+    generator: "CPU Generator does not use offset"), so only when the engine runs on a GPU. With eval.engine_url the
+    engine is assumed to run on this machine's kind of device."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 SPEEDUP_CONCURRENCY = {"single": 1, "concurrent": 16}
@@ -206,17 +240,23 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     from deepspec.serving import VLLMServer, counters_delta
     from deepspec.targets import load_tokenizer, resolve_target_path
 
+    from deepspec.eval.runner import protocol
+
     algo = meta.get("algorithm")
     s = engine_speculative_tokens(cfg, meta)
+    seeded = engine_seeded()
+    proto = protocol(cfg)
     if cfg.eval.temperature != 0:
-        log.warning("engine-backed eval at T=%g: engine and ours are both samples, expect statistical differences", cfg.eval.temperature)
+        log.warning("engine-backed eval at T=%g (%s on both sides): engine and ours are both samples, expect statistical "
+                    "differences%s", cfg.eval.temperature, proto,
+                    "" if seeded else "; the engine run is unseeded (vLLM's CPU build cannot honour a per-request seed)")
     tokenizer = load_tokenizer(target_name, cfg.target.revision, cfg.target.trust_remote_code)
     by_task: dict[str, list] = {}
     for it in items:
         by_task.setdefault(it.task, []).append(it)
 
     def run_all(url: str, model: str, counters) -> dict[str, Any]:
-        client = _Client(url, model, tokenizer, cfg, cfg.eval.engine_max_model_len)
+        client = _Client(url, model, tokenizer, cfg, cfg.eval.engine_max_model_len, seeded=seeded)
         per_task: dict[str, Any] = {}
         total_before = counters()
         for task, task_items in by_task.items():
@@ -226,17 +266,25 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
                 for f in progress(futures, desc=f"vLLM {task}", unit="sample"):
                     f.result()
             delta = counters_delta(before, counters())
-            per_task[task] = compare(results["tasks"].get(task, {}), delta, s)
-            log.info("vLLM %s: engine tau %s vs ours tau@%d %s", task, _fmt(per_task[task]["engine_tau"]), s,
+            per_task[task] = compare(results["tasks"].get(task, {}), delta, s, proto, proto)
+            log.info("vLLM %s (%s): engine tau %s vs ours tau@%d %s", task, proto, _fmt(per_task[task]["engine_tau"]), s,
                      _fmt(per_task[task]["ours_tau_at_S"]))
-        overall = compare(results["overall"], counters_delta(total_before, counters()), s)
-        return {"tasks": per_task, "overall": overall, "skipped_requests_too_long": client.skipped}
+        overall = compare(results["overall"], counters_delta(total_before, counters()), s, proto, proto)
+        overall["aggregation"] = "pooled: every verify round of every benchmark together"
+        return {"tasks": per_task, "overall": overall, "overall_benchmark_mean": _benchmark_mean(per_task),
+                "skipped_requests_too_long": client.skipped, "protocol": proto, "seeded": seeded,
+                "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),
+                "sampling": {**PLAIN_SAMPLING, "temperature": cfg.eval.temperature}}
 
     if cfg.eval.engine_url:
         base = cfg.eval.engine_url.rstrip("/").removesuffix("/v1")
         log.warning("using the running server %s: its counters include any other client's requests", base)
+        if cfg.eval.temperature != 0:
+            log.warning("the running server is assumed to draft with draft_sample_method=%s (eval.draft_sample_method); "
+                        "vLLM's default is greedy", cfg.eval.draft_sample_method)
         models = __import__("httpx").get(base + "/v1/models", timeout=30).json()["data"]
         out = run_all(base + "/v1", models[0]["id"], lambda: _metrics_from_url(base))
+        out["draft_sample_method_assumed"] = cfg.eval.draft_sample_method
         out.update(engine="vllm", server=base, num_speculative_tokens=s)
         return out
     if algo not in VLLM_METHODS:
@@ -244,7 +292,9 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
                           "use eval.engine=none or eval.engine_url with a GPU server.")
     target_path = resolve_target_path(target_name)
     export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
-    spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s}
+    # set explicitly: vLLM's default is greedy drafts, ours is whatever eval.draft_sample_method says
+    spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s,
+            "draft_sample_method": cfg.eval.draft_sample_method}
     do_time = cfg.eval.measure_speedup if cfg.eval.engine_speedup is None else cfg.eval.engine_speedup
     timed = speedup_tasks(cfg, by_task) if do_time else {}
     timed_tokens = cfg.eval.engine_speedup_max_new_tokens
@@ -252,11 +302,13 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     with VLLMServer(target_path, speculative_config=spec, log_path=out_dir / "vllm_server.log", **server_kwargs) as server:
         out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
         if timed:
-            spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens),
+            spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens,
+                                             seeded=seeded),
                                      timed, cfg.eval.seed)
     if timed:  # the same prompts and server settings without the draft
         with VLLMServer(target_path, log_path=out_dir / "vllm_server_baseline.log", **server_kwargs) as server:
-            base_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens),
+            base_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens,
+                                             seeded=seeded),
                                      timed, cfg.eval.seed)
         out["speedup"] = speedups(spec_timing, base_timing)
         out["timing"] = {"with_draft": spec_timing, "without_draft": base_timing,
@@ -268,6 +320,18 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     out.update(engine="vllm", engine_version=getattr(vllm, "__version__", None), machine=machine_description(),
                speculative_config=spec, num_speculative_tokens=s)
     (out_dir / "engine_results.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out
+
+
+def _benchmark_mean(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Engine tau and ours tau@S averaged over benchmarks (each counts once), beside the pooled overall."""
+    out: dict[str, Any] = {"aggregation": "mean of the per-benchmark values (each benchmark counts once)"}
+    for key in ("engine_tau", "ours_tau_at_S"):
+        vals = [c[key] for c in per_task.values() if isinstance(c.get(key), (int, float))]
+        out[key] = sum(vals) / len(vals) if vals else None
+    same = all(c.get("same_protocol") for c in per_task.values())
+    e, o = out["engine_tau"], out["ours_tau_at_S"]
+    out["relative_diff"] = (e - o) / o if same and e is not None and o else None
     return out
 
 

@@ -56,14 +56,23 @@ def split_table(rows: list[tuple[str, dict[str, Any]]], budget: Any, depth: int 
 def markdown(results: dict[str, Any]) -> str:
     """A readable summary: one row per benchmark + overall, then per-depth tables."""
     meta = results.get("meta", {})
-    rows = [(name, r) for name, r in results["tasks"].items() if "skipped" not in r] + [("**overall**", results["overall"])]
+    rows = [(name, r) for name, r in results["tasks"].items() if "skipped" not in r] + overall_rows(results)
     depth = max((len(r.get("acc_cond", [])) for _, r in rows), default=0)
+    serving = meta.get("serving_mode") or {}
     lines = [
         f"# Speculative decoding eval: {meta.get('algorithm', '?')} draft",
         "",
         f"- checkpoint: `{meta.get('checkpoint', '?')}`",
         f"- target: `{(meta.get('target') or {}).get('target', '?')}`; temperature {meta.get('temperature')}, "
         f"{meta.get('num_draft_tokens')} draft tokens per round, max {meta.get('max_new_tokens')} new tokens, seed {meta.get('seed')}",
+        f"- protocol of every figure below: **{meta.get('protocol', '?')}** (eval.draft_sample_method = "
+        f"{meta.get('draft_sample_method', '?')}; docs/evaluation.md, \"Draft sampling at T > 0\")",
+        f"- chat template: {serving.get('chat_template_kwargs', '?')}"
+        + ("" if serving.get("matches_training") is not False else
+           f" — **differs from the training data's** ({serving.get('training_chat_template_kwargs')}"
+           + (f", regenerated with {serving['regenerate_chat_template_kwargs']}" if "regenerate_chat_template_kwargs" in serving else "") + ")"),
+        "- overall (pooled) = every verify round of every benchmark together; overall (benchmark mean) = the mean of the "
+        "per-benchmark values, each benchmark counting once.",
         "- tau = mean (accepted drafts + 1) per verify round (bonus token included); acc_cond@k = P(draft k accepted | 1..k-1 "
         "accepted); survival@k = P(at least k accepted); E[A]@S = sum of survival@1..S.",
         "",
@@ -72,8 +81,9 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for name, r in rows:
         lines.append(
-            f"| {name} | {r.get('samples', '')} | {_f(r['tau'])} | {r['rounds']} | {r['proposed_tokens']} | {r['accepted_tokens']} | "
-            f"{_f(r.get('target_tokens_per_s'), 1)} | {_f(r.get('spec_tokens_per_s'), 1)} | {_f(r.get('speedup'), 2)} |"
+            f"| {name} | {r.get('samples', '')} | {_f(r.get('tau'))} | {r.get('rounds', '')} | {r.get('proposed_tokens', '')} | "
+            f"{r.get('accepted_tokens', '')} | {_f(r.get('target_tokens_per_s'), 1)} | {_f(r.get('spec_tokens_per_s'), 1)} | "
+            f"{_f(r.get('speedup'), 2)} |"
         )
     lines += ["", "## Per split: acc0 (= acc_cond@1), acceptance per depth, E[A]@S3, E[A]@S7, tau@3", ""]
     lines += split_table(rows, meta.get("max_new_tokens"), depth)
@@ -94,14 +104,17 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", f"Greedy outputs identical to target-only decoding: {match['matched_turns']}/{match['turns']} turns."]
     eng = results.get("engine")
     if eng and "tasks" in eng:
-        lines += ["", f"## Engine-backed ({eng.get('engine')}, {eng.get('num_speculative_tokens')} speculative tokens)", "",
+        proto = eng.get("protocol") or meta.get("protocol")
+        seeded = "" if eng.get("seeded", True) else "; engine requests unseeded (vLLM's CPU build cannot honour a per-request seed)"
+        lines += ["", f"## Engine-backed ({eng.get('engine')}, {eng.get('num_speculative_tokens')} speculative tokens, {proto} on both sides{seeded})", "",
                   "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k | served speedup (1 request / 16 concurrent) |",
                   "|---|---|---|---|---|---|---|"]
         served = eng.get("speedup") or {}
-        for name, r in list(eng["tasks"].items()) + [("**overall**", eng.get("overall", {}))]:
+        for name, r in list(eng["tasks"].items()) + [("**overall (pooled)**", eng.get("overall", {})),
+                                                     ("**overall (benchmark mean)**", eng.get("overall_benchmark_mean", {}))]:
             if not r:
                 continue
-            sp = served.get(name.strip("*")) or {}
+            sp = served.get("overall" if name == "**overall (pooled)**" else name.strip("*")) or {}
             speed = " / ".join(f"{_f((sp.get(m) or {}).get('speedup'), 2)}x" for m in ("single", "concurrent")) if sp else "not measured"
             lines.append(
                 f"| {name} | {_f(r.get('engine_tau'))} | {_f(r.get('ours_tau_at_S'))} | {_f(r.get('relative_diff'), 3)} | "
@@ -110,6 +123,15 @@ def markdown(results: dict[str, Any]) -> str:
         if served:
             lines += ["", f"Served speedup: vLLM output tokens/s with the draft / without it, same prompts and server settings, on {eng.get('machine')}."]
     return "\n".join(lines) + "\n"
+
+
+def overall_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The two labelled overall rows: every round pooled, and the mean over benchmarks (when there is one)."""
+    rows = [("**overall (pooled)**", results["overall"])]
+    mean = results.get("overall_benchmark_mean")
+    if mean and "tau" in mean:
+        rows.append(("**overall (benchmark mean)**", mean))
+    return rows
 
 
 def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
@@ -140,7 +162,7 @@ def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
     meta = results.get("meta", {})
-    fig.suptitle(f"{meta.get('algorithm', '')} draft, T={meta.get('temperature')}", fontsize=10)
+    fig.suptitle(f"{meta.get('algorithm', '')} draft, {meta.get('protocol') or 'T=' + str(meta.get('temperature'))}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -167,7 +189,8 @@ def write_reports(results: dict[str, Any], out_dir: str | Path) -> dict[str, Pat
 def flat_scalars(results: dict[str, Any]) -> dict[str, float]:
     """`eval/<task>/tau`, `eval/<task>/acc_cond@k`, ... for tensorboard / wandb."""
     out: dict[str, float] = {}
-    for name, r in list(results["tasks"].items()) + [("overall", results["overall"])]:
+    mean = [("overall_benchmark_mean", results["overall_benchmark_mean"])] if results.get("overall_benchmark_mean") else []
+    for name, r in list(results["tasks"].items()) + [("overall", results["overall"])] + mean:
         if "skipped" in r:
             continue
         for key in ("tau", "speedup", "spec_tokens_per_s", "target_tokens_per_s", "acc0", "E[A]@S3", "E[A]@S7", "tau@3"):

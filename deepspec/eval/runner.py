@@ -208,7 +208,8 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
         warm = render_prompt(target.tokenizer, first_messages(mine[0].row) + [{"role": "user", "content": mine[0].row["turns"][0]}],
                              tmpl_kwargs)
         generate_speculative(target.model, proposer, taps, warm, max_new_tokens=8, num_draft_tokens=ecfg.num_draft_tokens,
-                             temperature=ecfg.temperature, eos_ids=eos, generator=gen(0))
+                             temperature=ecfg.temperature, eos_ids=eos, generator=gen(0),
+                             draft_sample_method=ecfg.draft_sample_method)
         if ecfg.measure_speedup:
             generate_target_only(target.model, warm, max_new_tokens=8, temperature=ecfg.temperature, eos_ids=eos, generator=gen(0))
 
@@ -241,7 +242,7 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
                 seed = ecfg.seed + item.index * 16 + t
                 spec = generate_speculative(target.model, proposer, taps, prompt, max_new_tokens=ecfg.max_new_tokens,
                                             num_draft_tokens=ecfg.num_draft_tokens, temperature=ecfg.temperature,
-                                            eos_ids=eos, generator=gen(seed))
+                                            eos_ids=eos, generator=gen(seed), draft_sample_method=ecfg.draft_sample_method)
                 turn_rec = count(item.task, spec, prompt)
                 if ecfg.measure_speedup:
                     base = generate_target_only(target.model, prompt, max_new_tokens=ecfg.max_new_tokens,
@@ -346,6 +347,7 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
             timing.setdefault(task, TimingStats()).merge(TimingStats.from_dict(d))
     tasks: dict[str, Any] = {}
     overall, overall_t = AcceptanceStats(), TimingStats()
+    proto = protocol(cfg)
     for task in task_names(cfg):
         if task not in stats:
             if task in info and "skipped" in info[task]:
@@ -353,16 +355,44 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
             continue
         overall.merge(stats[task])
         overall_t.merge(timing[task])
-        tasks[task] = {**info.get(task, {}), **stats[task].summary(), **_timing_summary(timing[task], cfg)}
+        tasks[task] = {**info.get(task, {}), **stats[task].summary(), **_timing_summary(timing[task], cfg), "protocol": proto}
     order = task_names(cfg)
     samples = sorted((s for p in parts for s in p["samples"]), key=lambda s: (order.index(s["task"]), s["index"]))
     matches = [t["matches_target"] for s in samples for t in s["turns"] if "matches_target" in t]
     result = {
-        "overall": {**overall.summary(), **_timing_summary(overall_t, cfg)},
+        # every verify round of every benchmark pooled: long-answer benchmarks weigh more
+        "overall": {**overall.summary(), **_timing_summary(overall_t, cfg), "protocol": proto, "aggregation": POOLED},
+        # each benchmark counts once, as the papers average
+        "overall_benchmark_mean": benchmark_mean(tasks, proto),
         "tasks": tasks,
         "greedy_outputs_match_target": {"matched_turns": sum(matches), "turns": len(matches)} if matches else None,
     }
     return result, samples
+
+
+POOLED = "pooled: every verify round of every benchmark together"
+BENCHMARK_MEAN = "mean of the per-benchmark values (each benchmark counts once)"
+MEAN_KEYS = ("tau", "acc0", "E[A]@S3", "E[A]@S7", "tau@3", "speedup")
+
+
+def protocol(cfg) -> str:
+    """The draft-sampling protocol every figure of this eval was measured under (eval/sampling.py)."""
+    from deepspec.eval.sampling import protocol_name
+
+    return protocol_name(cfg.eval.temperature, cfg.eval.draft_sample_method)
+
+
+def benchmark_mean(tasks: dict[str, Any], proto: str) -> dict[str, Any]:
+    """The unweighted mean over benchmarks of tau and the headline figures (NaN / missing values left out)."""
+    import math
+
+    rows = {name: r for name, r in tasks.items() if "skipped" not in r}
+    out: dict[str, Any] = {"protocol": proto, "aggregation": BENCHMARK_MEAN, "benchmarks": list(rows)}
+    for key in MEAN_KEYS:
+        vals = [float(r[key]) for r in rows.values() if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
 
 
 def _timing_summary(t, cfg) -> dict[str, Any]:
@@ -393,13 +423,14 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
     prov = meta.get("provenance") or {}
     if "chat_template_kwargs" in prov and not any(o.startswith("target.chat_template_kwargs") for o in cfg.overrides):
         cfg.target.chat_template_kwargs = dict(prov["chat_template_kwargs"])
+    serving = serving_mode(cfg, prov)
     out_dir = Path(output_dir or cfg.eval.output_dir or checkpoint_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     items, info = build_work(cfg)
     world = num_workers(cfg)
-    log.info("evaluating %s (%s) against %s: %d samples of %d tasks on %d worker(s), T=%g, %d draft tokens",
+    log.info("evaluating %s (%s) against %s: %d samples of %d tasks on %d worker(s), %s, %d draft tokens, chat template %s",
              checkpoint_dir, meta.get("algorithm"), target_name, len(items), len([t for t in info if "skipped" not in info[t]]),
-             world, cfg.eval.temperature, cfg.eval.num_draft_tokens)
+             world, protocol(cfg), cfg.eval.num_draft_tokens, serving["chat_template_kwargs"])
     t0 = time.time()
     if world == 1:
         parts = [run_worker(cfg, str(checkpoint_dir), target_name, items)]
@@ -419,6 +450,9 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
         "taps": meta.get("taps"),
         "target": parts[0]["target"],
         "temperature": cfg.eval.temperature,
+        "draft_sample_method": cfg.eval.draft_sample_method,
+        "protocol": protocol(cfg),
+        "serving_mode": serving,
         "num_draft_tokens": cfg.eval.num_draft_tokens,
         "max_new_tokens": cfg.eval.max_new_tokens,
         "seed": cfg.eval.seed,
@@ -438,7 +472,61 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
     save_config(cfg, out_dir)
     if run_dir is not None:
         log_to_run(cfg, results, Path(run_dir), step or 0)
-    o = results["overall"]
-    log.info("tau %.3f over %d rounds; speedup %s; results in %s", o["tau"], o["rounds"],
+    o, m = results["overall"], results["overall_benchmark_mean"]
+    log.info("%s: tau %.3f pooled over %d rounds, %s mean of %d benchmark(s); speedup %s; results in %s", protocol(cfg), o["tau"],
+             o["rounds"], f"{m['tau']:.3f}" if "tau" in m else "n/a", len(m["benchmarks"]),
              f"{o['speedup']:.2f}x" if "speedup" in o else "n/a", out_dir)
     return results
+
+
+# ----------------------------------------------------------------------------------------- serving mode
+
+
+def _regenerate_kwargs(path: Path) -> dict[str, Any] | None:
+    """chat_template_kwargs the regenerate stage answered with (the first record's meta), or None."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.loads(fh.readline() or "{}").get("meta") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    kw = meta.get("chat_template_kwargs")
+    return dict(kw) if isinstance(kw, dict) else None
+
+
+def _same_data(path: Path, data_hash: str) -> bool:
+    """Whether `path` is the data file the checkpoint's cache was built from (its provenance data_hash)."""
+    from deepspec.data.cache.writer import file_hash
+
+    try:
+        return file_hash(path) == data_hash
+    except OSError:
+        return False
+
+
+def serving_mode(cfg, prov: dict[str, Any]) -> dict[str, Any]:
+    """The chat-template settings this eval decodes with, beside the training data's: the checkpoint's provenance
+    (what its cache was rendered with) and, where the config's regenerated.jsonl exists, what the target answered with.
+    One warning when they differ — a draft evaluated (or served) in another mode than it was trained in (e.g. thinking
+    on vs off) is accepted less, with no error anywhere."""
+    used = dict(cfg.target.chat_template_kwargs or {})
+    out: dict[str, Any] = {"chat_template_kwargs": used}
+    trained = prov.get("chat_template_kwargs")
+    if isinstance(trained, dict):
+        out["training_chat_template_kwargs"] = dict(trained)
+    try:
+        regen_path = Path(cfg.regenerated_path)
+    except Exception:  # noqa: BLE001 - a config without a data dir has no regenerated file
+        regen_path = None
+    regen = _regenerate_kwargs(regen_path) if regen_path is not None and regen_path.is_file() else None
+    if regen is not None and prov.get("data_hash") and not _same_data(regen_path, str(prov["data_hash"])):
+        regen = None  # the config's regenerated.jsonl is not the file this draft was trained on
+    if regen is not None:
+        out["regenerate_chat_template_kwargs"] = regen
+        out["regenerate_file"] = str(regen_path)
+    differs = [f"{name} {kw}" for name, kw in (("the training cache's", out.get("training_chat_template_kwargs")),
+                                              (f"the regenerated data's ({regen_path})", regen)) if kw is not None and kw != used]
+    out["matches_training"] = not differs if ("training_chat_template_kwargs" in out or regen is not None) else None
+    if differs:
+        log.warning("eval decodes with chat_template_kwargs %s but %s differ: acceptance measured here is not the trained "
+                    "mode's (set target.chat_template_kwargs to the training data's to measure that)", used, " and ".join(differs))
+    return out
