@@ -22,6 +22,7 @@ STAGES: list[tuple[tuple[str, ...], str, str]] = [
     (("train",), "deepspec.train.cli", "train a draft model (one process; use scripts/train/train.sh for many workers)"),
     (("eval",), "deepspec.eval.cli", "speculative decoding on benchmarks: tau, per-depth acceptance, speedup"),
     (("export",), "deepspec.export.cli", "write a draft checkpoint that vLLM / SGLang serve unchanged"),
+    (("check",), "deepspec.export.check_cli", "find the first divergence between an export and its draft in the engines' own model code"),
     (("run",), "deepspec.pipeline", "run every stage of a recipe, skipping finished ones"),
 ]
 

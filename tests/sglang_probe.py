@@ -14,11 +14,9 @@ For DFlash/DSpark the context keys/values are made with SGLang's own `kv_proj_on
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import importlib
 import json
 import os
-import socket
 import sys
 import types
 from pathlib import Path
@@ -26,46 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
-class _Anything(types.ModuleType):
-    """Stand-in for torchvision: SGLang's multimodal utilities import it at module level; no draft uses it."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Anything(f"{self.__name__}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        return _Anything(self.__name__ + "()")
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "torchvision":
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _Anything(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def _import_sglang(side: str) -> None:
-    import transformers.utils.import_utils as iu
-
-    iu.is_torchvision_available = lambda: False  # the stub must not look like a real torchvision to transformers
-    sys.meta_path.insert(0, _StubFinder())
-    sys.path.append(side)
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_single_process_dist(master_port=port)
+from deepspec.export.sglang_side import import_sglang
 
 
 class PlainAttention(nn.Module):
@@ -223,7 +182,7 @@ def probe(checkpoint: str, export: str, verify_mode: str) -> dict:
 
 def main(side: str, jobs: list[str]) -> list[dict]:
     """jobs: CHECKPOINT::EXPORT::VERIFY_MODE each (one SGLang import for all of them)."""
-    _import_sglang(side)
+    import_sglang(side)
     return [probe(*job.split("::")) for job in jobs]
 
 

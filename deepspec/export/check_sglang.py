@@ -1,0 +1,245 @@
+"""SGLang's side of `deepspec check`: an export pushed through SGLang's own draft classes on CPU, with SGLang's own
+attention backend (TorchNativeAttnBackend: its causal / encoder-only flags, prefix handling, GQA and windows).
+
+Run in a subprocess by export/check.py (SGLang's import chain and its torch.distributed init stay out of the caller):
+
+    python -m deepspec.export.check_sglang SIDE_DIR [JOB.json ...]   (JOB: {"export", "inputs", "out"};
+                                                                       no jobs: serve job paths read from stdin)
+
+Each job writes `out` (torch.save): {stage name: tensor} in the order SGLang computes them, or {"error": text}.
+What SGLang's workers do around the model is reproduced from their source (speculative/eagle_worker*.py,
+dflash_worker_v2.py): which target layers are captured (the ids in the config, + 1), the block of
+[anchor, mask x (block - 1)] with the mask id the config names, the context K/V written with the model's own
+kv_proj_only / apply_k_norm / apply_k_rope, the hot-token map from d2t. Only the KV pool is ours: a plain
+per-layer tensor store with SGLang's set/get interface (the pool holds storage, no semantics).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+
+class _Pool:
+    """Per-layer K/V storage with the interface SGLang's attention backends call (set_kv_buffer / get_*_buffer)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def set_kv_buffer(self, layer, loc, k, v, *args, **kwargs):
+        lid = layer.layer_id
+        if lid not in self.k:
+            self.k[lid] = torch.zeros(self.size, *k.shape[1:], dtype=k.dtype)
+            self.v[lid] = torch.zeros(self.size, *v.shape[1:], dtype=v.dtype)
+        idx = loc.loc if hasattr(loc, "loc") else loc
+        self.k[lid][idx] = k.reshape(len(idx), *self.k[lid].shape[1:])
+        self.v[lid][idx] = v.reshape(len(idx), *self.v[lid].shape[1:])
+
+    def get_key_buffer(self, lid):
+        return self.k[lid]
+
+    def get_value_buffer(self, lid):
+        return self.v[lid]
+
+
+class _Runner:
+    """SGLang's attention backend over one request whose KV slots are 0..n-1 (req_to_token row 0)."""
+
+    def __init__(self, size: int):
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.model_executor.forward_context import ForwardContext
+
+        self.pool = _Pool(size)
+        req_to_token = types.SimpleNamespace(req_to_token=torch.arange(size, dtype=torch.int64)[None])
+        runner = types.SimpleNamespace(device="cpu", req_to_token_pool=req_to_token, token_to_kv_pool=self.pool)
+        self.backend = TorchNativeAttnBackend(runner)
+        self.ctx = ForwardContext(attn_backend=self.backend)
+
+    def batch(self, mode: str, prefix: int, new: int, hidden=None):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        fb = types.SimpleNamespace(
+            forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+            out_cache_loc=torch.arange(prefix, prefix + new), req_pool_indices=torch.tensor([0]),
+            seq_lens=torch.tensor([prefix + new]), extend_prefix_lens=torch.tensor([prefix]),
+            extend_seq_lens=torch.tensor([new]), encoder_lens=None, encoder_out_cache_loc=None,
+            global_num_token_non_padded_cpu=None, mha_return_lse=False, moe_num_token_non_padded=None,
+            spec_info=types.SimpleNamespace(hidden_states=hidden), mm_input_embeds=None,
+            contains_mm_inputs=lambda: False,
+        )
+        self.backend.init_forward_metadata(fb)
+        return fb
+
+    def run(self, fn, fb):
+        from sglang.srt.model_executor.forward_context import forward_context
+
+        with forward_context(self.ctx):
+            return fn(fb)
+
+
+def _build(export: Path):
+    from safetensors.torch import load_file
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    cfg = get_config(str(export), trust_remote_code=False)
+    arch = cfg.architectures[0]
+    module = {"LlamaForCausalLMEagle3": "llama_eagle3", "DFlashDraftModel": "dflash"}.get(arch)
+    if module is None:
+        raise ValueError(f"no SGLang check for architecture {arch}")
+    model = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)(cfg).float().eval()
+    model.load_weights(list(load_file(str(export / "model.safetensors")).items()))
+    return cfg, model
+
+
+def _layer_hooks(layers, out: list):
+    """Each decoder layer's residual stream (SGLang returns (mlp_out, residual): the stream is their sum)."""
+
+    def hook(mod, args, res):
+        h, r = res
+        out.append(h + r)
+
+    return [layer.register_forward_hook(hook) for layer in layers]
+
+
+def _gather(states: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """SGLang's targets capture `id + 1` (set_eagle3_layers_to_capture / set_dflash_layers_to_capture): HF index id + 1."""
+    return states[:, [i + 1 for i in ids]].flatten(-2)
+
+
+def trace_eagle3(export: Path, inp: dict) -> dict[str, torch.Tensor]:
+    cfg, model = _build(export)
+    from deepspec.export.check import target_tables
+
+    ids, states = inp["input_ids"], inp["states"]
+    embed, _ = target_tables(*inp["tables"].tolist())
+    m = ids.numel() - 1
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)  # shared with the target by SGLang's EAGLE worker
+        hot = model.get_hot_token_id()
+        head = model.lm_head.weight[: int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)]  # SGLang pads its head
+        to_target = (lambda d: hot.long()[d]) if hot is not None else (lambda d: d)
+        layer_ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+        if layer_ids is None:
+            raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang would capture its default layers")
+        taps = _gather(states, layer_ids)
+        out["step1.taps"] = taps
+        fc_out: list = []
+        hooks = [model.model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
+        streams: list = []
+        hooks += _layer_hooks(model.model.layers, streams)
+        run = _Runner(m + 4)
+        step_ids, pos = ids[1:], torch.arange(m)
+        fb = run.batch("extend", 0, m, taps)
+        normed, aux = run.run(lambda fb: model.model(step_ids, pos, fb, input_embeds=embed[step_ids]), fb)
+        out["step1.fc"] = fc_out[0]
+        for i, s in enumerate(streams):
+            out[f"step1.layer{i}"] = s
+        logits = normed @ head.T
+        out["step1.norm"], out["step1.logits"] = normed, logits
+        out["step1.tokens"] = to_target(logits.argmax(-1))
+        out["step1.next_hidden"] = aux[0]
+        # chain step 2: the last row's token and hidden, one decode query over the step-1 cache
+        tok = out["step1.tokens"][-1:]
+        streams.clear()
+        fb = run.batch("decode", m, 1, aux[0][-1:])
+        normed2, aux2 = run.run(lambda fb: model.model(tok, torch.tensor([m]), fb, input_embeds=embed[tok]), fb)
+        out["step2.input_token"] = tok
+        for i, s in enumerate(streams):
+            out[f"step2.layer{i}"] = s
+        logits2 = normed2 @ head.T
+        out["step2.norm"], out["step2.logits"] = normed2, logits2
+        out["step2.tokens"] = to_target(logits2.argmax(-1))
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    cfg, model = _build(export)
+    from deepspec.export.check import target_tables
+
+    ids, states = inp["input_ids"], inp["states"]
+    embed, head = target_tables(*inp["tables"].tolist())
+    m = ids.numel() - 1
+    dcfg = getattr(cfg, "dflash_config", None) or {}
+    block = int(dcfg.get("block_size") or getattr(cfg, "block_size", 16))
+    mask_id = dcfg.get("mask_token_id")
+    if mask_id is None:
+        raise ValueError("config.json has no dflash_config.mask_token_id")
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        taps = _gather(states, dcfg["target_layer_ids"])
+        out["block.taps"] = taps
+        fc_out: list = []
+        hooks = [model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
+        ctx = model.project_target_hidden(taps)
+        out["block.fc"], out["block.context"] = fc_out[0], ctx
+        run = _Runner(m + block + 2)
+        ctx_pos, loc = torch.arange(m), torch.arange(m)
+        for layer in model.layers:  # as dflash_worker_v2._append_target_hidden_sequential
+            attn = layer.self_attn
+            k, v = attn.kv_proj_only(model.prepare_context_hidden_for_kv(layer, ctx))
+            k = attn.apply_k_rope(ctx_pos, attn.apply_k_norm(k))
+            run.pool.set_kv_buffer(attn.attn, KVWriteLoc(loc), k.view(-1, attn.num_kv_heads, attn.head_dim),
+                                   v.view(-1, attn.num_kv_heads, attn.head_dim))
+        block_ids = torch.full((block,), int(mask_id), dtype=torch.long)
+        block_ids[0] = ids[-1]
+        out["block.input_ids"] = block_ids
+        streams: list = []
+        hooks += _layer_hooks(model.layers, streams)
+        fb = run.batch("extend", m, block)
+        res = run.run(lambda fb: model(block_ids, torch.arange(m, m + block), fb, input_embeds=embed[block_ids]), fb)
+        for i, s in enumerate(streams):
+            out[f"block.layer{i}"] = s
+        h = res.hidden_states
+        out["block.norm"] = h
+        logits = h[1:] @ head.T  # SGLang's DFlash scores the predicted slots with the target's LM head
+        out["block.logits"] = logits
+        out["block.tokens"] = logits.argmax(-1)
+        for hk in hooks:
+            hk.remove()
+    return out
+
+
+def run_job(path: str) -> None:
+    job = json.loads(Path(path).read_text())
+    export = Path(job["export"])
+    try:
+        inp = torch.load(job["inputs"], weights_only=True)
+        arch = json.loads((export / "config.json").read_text())["architectures"][0]
+        fn = trace_dflash if arch == "DFlashDraftModel" else trace_eagle3
+        res = fn(export, inp)
+    except Exception as e:  # noqa: BLE001 - the caller reports SGLang's failure as the divergence
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    torch.save(res, job["out"])
+
+
+def main(side: str, jobs: list[str]) -> None:
+    """Run the job files given; with no job files, serve: one job path per stdin line, `DONE path` per job on stdout
+    (SGLang's import takes ~20 s on 2 cores: one process serves every check of its parent)."""
+    from deepspec.export.sglang_side import import_sglang
+
+    import_sglang(side)
+    for path in jobs:
+        run_job(path)
+    if not jobs:
+        print("READY", flush=True)
+        for line in sys.stdin:
+            if line.strip():
+                run_job(line.strip())
+                print(f"DONE {line.strip()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,193 @@
+"""`deepspec check`: exports of tiny random drafts agree with SGLang's own classes (run with SGLang's torch-native
+attention backend) at every stage, and deliberately broken exports are caught at the stage their bug first shows,
+with the cause named. All exports go through one SGLang process (export/check.py: check_exports)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import get_algorithm
+from deepspec.drafts.checkpoint import save_draft
+from deepspec.export.writers import export_draft
+from deepspec.targets import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sglang_side():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_side.sh")], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _ckpt(root: Path, family: str, algorithm: str, **fields) -> Path:
+    fields.setdefault("target_layer_ids", [0, 2, 3])
+    cfg = ModelConfig(algorithm=algorithm, block_size=4, **fields)
+    torch.manual_seed(0)
+    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
+    if algorithm == "eagle3":
+        draft.set_token_frequencies(torch.arange(320).float())
+    with torch.no_grad():  # random everywhere, norms included, so a swapped or skipped tensor shows
+        for _, p in draft.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+    prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
+    return save_draft(draft, root / "ckpt", prov)
+
+
+GOOD = {
+    # EAGLE-3.1: embeddings + 3 layer taps, draft vocabulary, two layers, fc_norm and norm_output (bf16 export)
+    "eagle31": ("llama", "eagle3", dict(target_layer_ids=[-1, 0, 2, 3], draft_vocab_size=100, num_draft_layers=2,
+                                        fc_norm=True, norm_output=True)),
+    # EAGLE-3 for a Qwen3 target with Llama-style layers, full vocabulary
+    "eagle3": ("qwen3", "eagle3", dict(fc_norm=False, norm_output=False, qk_norm=False)),
+    "dflash": ("qwen3", "dflash", dict(num_draft_layers=2, mask_token_id=259)),
+}
+
+
+def _edit(src: Path, dst: Path, cfg_fn=None, tensors_fn=None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if cfg_fn:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg_fn(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors_fn:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors_fn(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _drop_fc_norm(cfg):
+    cfg["fc_norm"] = False
+
+
+def _aux_plus_one(cfg):
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _flip_norm_output(cfg):
+    cfg["norm_output"] = not cfg["norm_output"]
+
+
+def _wrong_mask(cfg):
+    cfg["dflash_config"]["mask_token_id"] = cfg["dflash_config"]["mask_token_id"] - 1
+
+
+# broken case -> (good export it starts from, config edit, tensor edit, first mismatch, words the cause must contain)
+BROKEN = {
+    "fc_norm dropped": ("eagle31", _drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]],
+                        "step1.fc", "fc_norm"),
+    "aux ids + 1": ("eagle31", _aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
+    "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
+    "shifted d2t": ("eagle31", None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "step1.tokens", "d2t"),
+    "wrong mask token": ("dflash", _wrong_mask, None, "block.input_ids", "mask_token_id"),
+}
+
+
+@pytest.fixture(scope="module")
+def reports(sglang_side, tmp_path_factory):
+    """Every good and broken export checked against SGLang's classes in one SGLang process."""
+    import os
+
+    from deepspec.export.check import check_exports
+
+    os.environ["DEEPSPEC_SGLANG_SIDE"] = sglang_side
+    root = tmp_path_factory.mktemp("check")
+    exports = {}
+    for case, (family, algorithm, fields) in GOOD.items():
+        ckpt = _ckpt(root / case, family, algorithm, **fields)
+        exports[case] = export_draft(ckpt, root / case / "sglang", "sglang", dtype="bfloat16" if case == "eagle31" else "float32")
+    for case, (base, cfg_fn, t_fn, _, _) in BROKEN.items():
+        exports[case] = _edit(exports[base], root / case.replace(" ", "_"), cfg_fn, t_fn)
+    out = check_exports(list(exports.values()), ("sglang",))
+    return dict(zip(exports, out)), exports
+
+
+@pytest.mark.parametrize("case", list(GOOD))
+def test_check_finds_no_divergence_in_sglang(case, reports):
+    rep = reports[0][case]
+    ec = rep.engines[0]
+    print(rep.table())
+    assert ec.status == "pass", rep.table()
+    assert not rep.diverged
+    stages = [r.stage for r in ec.rows]
+    if case.startswith("eagle"):  # fc, every layer, norm, logits, tokens, next hidden, and chain step 2
+        layers = 2 if case == "eagle31" else 1
+        assert stages == ["step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits",
+                          "step1.tokens", "step1.next_hidden", "step2.input_token", *[f"step2.layer{i}" for i in range(layers)],
+                          "step2.norm", "step2.logits", "step2.tokens"]
+    else:
+        assert stages == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0", "block.layer1",
+                          "block.norm", "block.logits", "block.tokens"]
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_check_names_the_first_divergence_and_its_cause(case, reports):
+    rep = reports[0][case]
+    ec = rep.engines[0]
+    _, _, _, stage, words = BROKEN[case]
+    print(rep.table())
+    assert rep.diverged and ec.status == "diverged"
+    assert ec.first_mismatch == stage, rep.table()
+    assert words in ec.cause, ec.cause
+    assert all(r.ok for r in ec.rows[: [r.stage for r in ec.rows].index(stage)])  # everything before it agrees
+
+
+def test_check_command_table_and_exit_code(reports, capsys):
+    from deepspec import cli
+
+    bad = reports[1]["wrong mask token"]
+    assert cli.main(["check", str(bad), "--engine", "sglang"]) == 1  # in-process: reuses this process's SGLang worker
+    out = capsys.readouterr().out
+    assert "block.input_ids" in out and "FAIL" in out and "verdict: DIVERGES" in out and "mask_token_id" in out
+    js = json.loads(json.dumps(reports[0]["dflash"].to_json()))  # what --json prints
+    assert js["diverged"] is False and js["engines"][0]["status"] == "pass"
+    assert reports[0]["dflash"].table().endswith("verdict: no divergence (sglang)")
+
+
+def test_export_refuses_a_diverging_export_unless_skip_check(reports, tmp_path, monkeypatch, logs):
+    """`deepspec export` checks before it writes: a writer bug (here: norm_output dropped from SGLang's config)
+    leaves nothing behind and names the cause; --skip-check writes it with a warning."""
+    from deepspec import cli
+    from deepspec.export import sglang as sg
+
+    ckpt = Path(json.loads((reports[1]["eagle31"] / "config.json").read_text())["deepspec"]["source_checkpoint"])
+    real = sg.BUILDERS["eagle3"]
+
+    def buggy(cfg, weights, draft, meta):
+        out, w = real(cfg, weights, draft, meta)
+        out["norm_output"] = False
+        return out, w
+
+    monkeypatch.setitem(sg.BUILDERS, "eagle3", buggy)
+    out = tmp_path / "exp"
+    assert cli.main(["export", str(ckpt), "--format", "sglang", "--out", str(out)]) == 2
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert "norm_output" in logs.text and "step1.next_hidden" in logs.text
+    assert cli.main(["export", str(ckpt), "--format", "sglang", "--out", str(out), "--skip-check"]) == 0
+    assert (out / "config.json").is_file() and "--skip-check" in logs.text and "NOT checked" in logs.text
+
+
+def test_export_without_sglang_logs_the_skip_and_writes(tmp_path, monkeypatch, logs):
+    from deepspec import cli
+
+    monkeypatch.setenv("DEEPSPEC_SGLANG_SIDE", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    ckpt = _ckpt(tmp_path / "c", "qwen3", "dflash", num_draft_layers=1, mask_token_id=259)
+    for fmt in ("sglang", "vllm"):
+        out = tmp_path / f"out-{fmt}"
+        assert cli.main(["export", str(ckpt), "--format", fmt, "--out", str(out), "--dtype", "float32"]) == 0
+        assert (out / "model.safetensors").is_file()
+    assert "SGLang's sources are not installed" in logs.text
+    assert "export check skipped for vllm" in logs.text
