@@ -87,7 +87,32 @@ def encode_record(input_ids, loss_mask, features, dtype: str) -> bytes:
     """Serialize one sample; `features` is a float tensor [T, L, H] (taps then final hidden)."""
     import torch
 
-    T, L, H = features.shape
+    stored, scales = to_storage(features.detach().to("cpu", torch.float32).contiguous(), dtype)
+    return encode_stored(input_ids, loss_mask, stored, scales, dtype)
+
+
+def to_storage(x, dtype: str):
+    """Features [..., H] -> (the storage dtype's tensor, fp8 scales [...] float32 or None), on x's device.
+
+    The one conversion of the format: the writer runs it on the target's device before the device-to-host copy
+    (half or a quarter of the float32 bytes cross), `encode_record` on the host; the same elementwise IEEE casts and
+    fp32 arithmetic either way, so both give the same bytes."""
+    import torch
+
+    if dtype == "fp32":
+        return x.to(torch.float32), None
+    if dtype == "bf16":
+        return x.to(torch.bfloat16), None
+    if dtype == "fp8":
+        return quantize_fp8(x.to(torch.float32))
+    raise CacheError(f"Unknown cache dtype {dtype!r}; use bf16 or fp8.")
+
+
+def encode_stored(input_ids, loss_mask, stored, scales, dtype: str) -> bytes:
+    """Serialize one sample whose features are already in the storage dtype (host tensors [T, L, H], fp8 scales [T, L])."""
+    import torch
+
+    T, L, H = stored.shape
     layout = record_layout(T, L, H, dtype)
     buf = bytearray(layout["total"][1])
 
@@ -98,15 +123,14 @@ def encode_record(input_ids, loss_mask, features, dtype: str) -> bytes:
 
     put("input_ids", np.asarray(input_ids, dtype="<i4").tobytes())
     put("loss_mask", np.asarray(loss_mask, dtype=np.uint8).tobytes())
-    x = features.detach().to("cpu", torch.float32).contiguous()
+    x = stored.contiguous()
     if dtype == "fp32":
         put("features", x.numpy().astype("<f4").tobytes())
     elif dtype == "bf16":
-        put("features", x.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        put("features", x.view(torch.int16).numpy().tobytes())
     else:
-        q, scale = quantize_fp8(x)
-        put("features", q.view(torch.uint8).numpy().tobytes())
-        put("scales", scale.numpy().astype("<f4").tobytes())
+        put("features", x.view(torch.uint8).numpy().tobytes())
+        put("scales", scales.contiguous().numpy().astype("<f4").tobytes())
     return bytes(buf)
 
 

@@ -293,6 +293,31 @@ def sample_features(model, batch: list[Sample], taps: list[int], reduction: str 
         yield s, feats[b, : len(s.input_ids)]
 
 
+def stored_features(model, batch: list[Sample], taps: list[int], reduction: str, dtype: str):
+    """`device_features` converted to the cache's storage dtype where the target computed them (bf16: half the
+    float32 bytes cross to the host, fp8: about a quarter), copied asynchronously into page-locked memory on CUDA:
+    yields (sample, Stored) whose bytes equal `encode_record` of `sample_features`' output."""
+    import torch
+
+    stored, scales = fmt.to_storage(device_features(model, batch, taps, reduction), dtype)
+    ready = None
+    if stored.device.type == "cuda":
+        with torch.cuda.device(stored.device):
+            host = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)
+            host.copy_(stored, non_blocking=True)
+            if scales is not None:
+                host_scales = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
+                scales = host_scales.copy_(scales, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(stored.device))
+        stored = host
+    elif stored.device.type != "cpu":
+        stored, scales = stored.cpu(), None if scales is None else scales.cpu()
+    for b, s in enumerate(batch):
+        n = len(s.input_ids)
+        yield s, Stored(stored[b, :n], None if scales is None else scales[b, :n], ready)
+
+
 def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer) -> None:
     a, b = plan.shards[s]
     samples = materialize(plan, plan.samples[a:b], tokenizer)
@@ -313,33 +338,124 @@ def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer)
 
 
 def _capture_shard(tmp: Path, by_length: list[Sample], plan: Plan, s: int, featurize, bar, rows, counts, row_of) -> np.ndarray:
-    """Capture a shard's samples into `tmp` (fsynced), filling `rows`; returns the token counts. A failure removes `tmp`."""
-    offset = 0
+    """Capture a shard's samples into `tmp` (fsynced), filling `rows`; returns the token counts. A failure removes `tmp`.
+
+    This thread runs the target batch after batch; a `_RecordWriter` thread encodes, checksums and appends the
+    previous batch meanwhile, in order, so the shard is the same bytes as when one thread did both."""
     try:
         with open(tmp, "wb") as f:
-            for batch in _batches(by_length, plan.signature["batch_tokens"]):
-                nbytes = 0
-                for sample, feats in featurize(batch):
-                    data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, plan.dtype)
-                    f.write(data)
-                    n_loss = int(sample.loss_mask.sum())
-                    rows[row_of[id(sample)]] = (s, offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss, int(sample.truncated))
-                    lm = sample.input_ids[sample.loss_mask.astype(bool)]
-                    if len(lm) and lm.max() >= len(counts):
-                        counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
-                    np.add.at(counts, lm, 1)
-                    offset += len(data)
-                    nbytes += len(data)
-                bar.update(sum(len(x.input_ids) for x in batch))
-                bar.bytes_written += nbytes
-                bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
-                fault_point("cache-batch")
+            writer = _RecordWriter(f, plan.dtype, s, rows, counts, row_of)
+            try:
+                for batch in _batches(by_length, plan.signature["batch_tokens"]):
+                    writer.put(list(featurize(batch)))
+                    bar.update(sum(len(x.input_ids) for x in batch))
+                    bar.bytes_written += sum(fmt.record_nbytes(len(x.input_ids), plan.n_layers, plan.hidden_size, plan.dtype) for x in batch)
+                    bar.set_postfix_str(f"{bar.bytes_written / 2**20:.1f} MiB written")
+                    fault_point("cache-batch")
+                counts = writer.close()
+            finally:
+                writer.stop()
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)  # a partial shard is never kept: a rerun rewrites the whole shard
         raise
     return counts
+
+
+@dataclass
+class Stored:
+    """One sample's features already in the cache's storage dtype (host tensors [T, L, H], fp8 scales [T, L]), readable
+    once `ready` (the CUDA event of their device-to-host copy, None on the host) has completed."""
+
+    features: Any
+    scales: Any = None
+    ready: Any = None
+
+
+class _RecordWriter:
+    """Encodes, checksums (crc32) and appends the records of whole batches in a thread, in the order they were put.
+
+    At most `depth` batches wait, so host memory stays bounded while the target's next forward overlaps this work.
+    An error in the thread is raised by the next `put` / `close`; `stop` ends the thread after a failure here."""
+
+    def __init__(self, f, dtype: str, shard: int, rows: np.ndarray, counts: np.ndarray, row_of: dict[int, int], depth: int = 2):
+        import queue
+        import threading
+
+        self.f, self.dtype, self.shard, self.rows, self.counts, self.row_of = f, dtype, shard, rows, counts, row_of
+        self.offset = 0
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.queue: Any = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> None:
+        import queue
+
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def put(self, records: list[tuple[Sample, Any]]) -> None:
+        self._put(records)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                records = self.queue.get()
+                if records is None or self.stopping:
+                    return
+                for sample, feats in records:
+                    self._write(sample, feats)
+        except BaseException as e:  # noqa: BLE001 - handed to the capturing thread
+            self.error = e
+
+    def _write(self, sample: Sample, feats) -> None:
+        if isinstance(feats, Stored):
+            if feats.ready is not None:
+                feats.ready.synchronize()
+            data = fmt.encode_stored(sample.input_ids, sample.loss_mask, feats.features, feats.scales, self.dtype)
+        else:  # float features on the host (the vLLM backend)
+            data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, self.dtype)
+        self.f.write(data)
+        n_loss = int(sample.loss_mask.sum())
+        self.rows[self.row_of[id(sample)]] = (self.shard, self.offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss,
+                                              int(sample.truncated))
+        lm = sample.input_ids[sample.loss_mask.astype(bool)]
+        if len(lm) and lm.max() >= len(self.counts):
+            self.counts = np.pad(self.counts, (0, int(lm.max()) + 1 - len(self.counts)))
+        np.add.at(self.counts, lm, 1)
+        self.offset += len(data)
+
+    def close(self) -> np.ndarray:
+        """Wait until every record is written; returns the token counts."""
+        self._put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.counts
+
+    def stop(self) -> None:
+        import queue
+
+        self.stopping = True
+        while self.thread.is_alive():
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                self.queue.put_nowait(None)
+            except queue.Full:
+                pass
+            self.thread.join(0.05)
 
 
 def shard_done(directory: Path, plan: Plan, s: int) -> bool:
@@ -430,7 +546,7 @@ def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSess
 
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         model = load_target_from_config(cfg.target, device=device).model
-    return (lambda batch: sample_features(model, batch, taps, reduction)), (lambda: None)
+    return (lambda batch: stored_features(model, batch, taps, reduction, plan.dtype)), (lambda: None)
 
 
 def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[str, Any]:
