@@ -80,6 +80,15 @@ def _flip_norm_output(cfg):
     cfg["norm_output"] = not cfg["norm_output"]
 
 
+def _rope_theta_x4(cfg):
+    cfg["rope_parameters"]["rope_theta"] *= 4
+    cfg["rope_theta"] *= 4
+
+
+def _causal_block(cfg):
+    cfg["is_causal"] = True  # SGLang's DFlash layers then run as DECODER (causal) attention, not ENCODER_ONLY
+
+
 def _wrong_mask(cfg):
     cfg["dflash_config"]["mask_token_id"] = cfg["dflash_config"]["mask_token_id"] - 1
 
@@ -92,6 +101,9 @@ BROKEN = {
     "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
     "shifted d2t": ("eagle31", None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "step1.tokens", "d2t"),
     "wrong mask token": ("dflash", _wrong_mask, None, "block.input_ids", "mask_token_id"),
+    "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
+    # SGLang's attention semantics are exercised: its causal flag changes the block's attention
+    "causal DFlash block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
 }
 
 
