@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from deepspec.eval.engine import compare
 from deepspec.eval.metrics import AcceptanceStats
@@ -32,10 +33,13 @@ def test_compare_engine_counters_with_ours_at_S():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_engine_eval_random_eagle3(tmp_path, smollm2_dir):
-    """Export an (untrained) EAGLE-3 draft for SmolLM2, serve it with vLLM, and compare counters with ours."""
+def test_vllm_engine_eval_random_eagle3_at_t1(tmp_path, smollm2_dir):
+    """Export an (untrained) EAGLE-3 draft for SmolLM2, serve it with vLLM's CPU build at T = 1 and compare counters
+    with ours under the same protocol (greedy drafts, vLLM started with draft_sample_method=greedy). The CPU build
+    cannot honour a per-request seed (its worker dies), so the requests go unseeded — before that fix this eval ended
+    with "vLLM answered 500". A random draft is accepted almost never on both sides: the comparison is like for like,
+    not a test of acceptance agreement."""
     pytest.importorskip("vllm")
-    import torch
     from transformers import AutoConfig
 
     from deepspec.config import load_config
@@ -52,24 +56,28 @@ def test_vllm_engine_eval_random_eagle3(tmp_path, smollm2_dir):
     (d / "gsm8k.jsonl").write_text(json.dumps({"turns": ["What is 2 + 3? Answer briefly."]}) + "\n")
     cfg = load_config(None, [
         f"eval.datasets_dir={d}", "eval.tasks=[gsm8k]", "eval.max_new_tokens=24", "eval.num_draft_tokens=3",
+        "eval.temperature=1.0", "eval.draft_sample_method=greedy",
         "eval.engine=vllm", "eval.measure_speedup=true", f"eval.output_dir={tmp_path / 'eval'}", "eval.engine_max_model_len=1024",
     ])
     res = evaluate(cfg, ckpt)
-    eng = res["engine"]["tasks"]["gsm8k"]
-    assert eng["engine_drafts"] > 0 and eng["engine_draft_tokens"] == 3 * eng["engine_drafts"]
-    assert eng["engine_tau"] is not None and 1.0 <= eng["engine_tau"] <= 4.0
-    assert eng["ours_tau_at_S"] is not None
+    eng = res["engine"]
+    assert eng["speculative_config"]["draft_sample_method"] == "greedy" and eng["protocol"] == "greedy drafts, T=1"
+    assert eng["seeded"] is False  # vLLM's CPU build: a per-request seed would kill its worker
+    cell = eng["tasks"]["gsm8k"]
+    assert cell["same_protocol"] and cell["engine_drafts"] > 0 and cell["engine_draft_tokens"] == 3 * cell["engine_drafts"]
+    assert cell["engine_tau"] is not None and 1.0 <= cell["engine_tau"] <= 4.0 and cell["ours_tau_at_S"] is not None
+    assert abs(cell["relative_diff"]) < 0.05, cell
     report = (tmp_path / "eval" / "results.md").read_text()
-    assert "Engine-backed" in report and "Served speedup" in report
+    assert "Engine-backed" in report and "greedy drafts, T=1 on both sides" in report and "Served speedup" in report
     # served speedup: vLLM tokens/s with and without the draft, one request and 16 in flight, per benchmark
-    served = res["engine"]["speedup"]
+    served = eng["speedup"]
     for mode in ("single", "concurrent"):
         for task in ("gsm8k", "overall"):
             cell = served[task][mode]
             assert cell["spec_tokens_per_s"] > 0 and cell["baseline_tokens_per_s"] > 0 and cell["speedup"] > 0
-    assert res["engine"]["timing"]["without_draft"]["gsm8k"]["single"]["tokens"] > 0
-    assert res["engine"]["machine"] and res["engine"]["engine_version"]
-    print("served", json.dumps({"speedup": served, "machine": res["engine"]["machine"]}))
+    assert eng["timing"]["without_draft"]["gsm8k"]["single"]["tokens"] > 0
+    assert eng["machine"] and eng["engine_version"]
+    print("served", json.dumps({"speedup": served, "machine": eng["machine"]}))
 
 
 def test_dflash_is_served_and_compared_at_its_training_block():
