@@ -131,5 +131,25 @@ class ModelConfig:
                 )
             if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
                 raise ConfigError("model.layer_types has sliding_attention layers but model.sliding_window is not a positive integer; set it.")
+            short = block_window_error(self.algorithm, self.block_size, self.layer_types, self.sliding_window)
+            if short:
+                raise ConfigError(short)
         if self.init_from_target_layer is not None and self.init_from_target_layer < 0:
             raise ConfigError(f"model.init_from_target_layer must be a 0-based target layer index or null, got {self.init_from_target_layer}.")
+
+
+def block_window_error(algorithm: str, block_size: int, layer_types: list[str] | None, sliding_window: int | None) -> str | None:
+    """The sentence refusing a block draft (DFlash / DSpark) whose sliding window is shorter than its block, else None.
+
+    Inside a block, deepspec (training and decoding) hides only keys >= window positions behind the query, while
+    vLLM and SGLang run the bidirectional block with a symmetric window (|q - k| < window) that also hides block slots
+    that far ahead. The rules agree exactly when window >= block_size (a block spans block_size - 1 positions), so a
+    shorter window is refused rather than trained under one rule and served under another."""
+    if algorithm not in ("dflash", "dspark") or not layer_types or "sliding_attention" not in layer_types or sliding_window is None:
+        return None
+    if sliding_window >= block_size:
+        return None
+    return (
+        f"model.sliding_window={sliding_window} is shorter than model.block_size={block_size}: inference engines apply the window "
+        "to block slots ahead of the query too, so this draft would not be served as trained; use sliding_window >= block_size."
+    )

@@ -158,6 +158,58 @@ def _x(v: Any) -> str:
     return f"{v:.2f}x" if isinstance(v, (int, float)) else NOT_MEASURED
 
 
+def transformers_loaders(cfg: dict[str, Any]) -> dict[str, str | None]:
+    """For a DFlash export: loader -> None when it runs the draft as trained, else why not. `deepspec`: the modeling file
+    shipped in the export (AutoModel + trust_remote_code); `dflash`: the published DFlash reference code
+    (`DFlashDraftModel` of the `dflash` package / the public checkpoints' modeling file)."""
+    ds = cfg.get("deepspec", {})
+    taps = list(ds.get("taps") or [])
+    n_target = cfg.get("num_target_layers")
+    streams = int(cfg.get("target_hc_mult") or 1)
+    multi = (f"it reads {streams} residual streams of a hyper-connection target per tap, which a transformers target does not "
+             "expose" if streams > 1 else None)
+    reasons = []
+    if multi:
+        reasons.append(multi)
+    if (cfg.get("draft_vocab_size") or cfg.get("vocab_size")) < cfg.get("vocab_size", 0):
+        reasons.append(f"it drafts over a {cfg['draft_vocab_size']}-token draft vocabulary, but that code scores with the target's "
+                       "whole LM head and ignores lm_head / d2t")
+    if n_target is not None and (n_target - 1) in taps:
+        reasons.append(f"it taps the target's last layer ({n_target - 1}), which that code reads from output_hidden_states after "
+                       "the target's final norm (deepspec taps it before)")
+    if cfg.get("attention_bias"):
+        reasons.append("its q/k/v projections have biases, and that code also builds an o_proj bias the draft does not have")
+    return {"deepspec": multi, "dflash": "; ".join(reasons) or None}
+
+
+def _transformers(cfg: dict[str, Any], ds: dict[str, Any], target: str, name: str) -> list[str]:
+    """Deployment lines for transformers (trust_remote_code), ours and the published DFlash code."""
+    loaders = transformers_loaders(cfg)
+    lines = []
+    if loaders["deepspec"]:
+        lines += [f"Transformers: not run as trained — {loaders['deepspec']}; serve it with vLLM.", ""]
+    else:
+        lines += [
+            "Transformers (the modeling file shipped here, `modeling_deepspec_dflash.py`, runs the draft as trained; greedy "
+            "decoding equals the target's own):", "",
+            "```python",
+            "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
+            f'draft = AutoModel.from_pretrained("{name}", trust_remote_code=True, dtype="auto").eval()',
+            f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto").eval()',
+            f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+            'text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True)',
+            'ids = tokenizer(text, return_tensors="pt").input_ids',
+            "out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=256, stop_token_ids=[tokenizer.eos_token_id], temperature=0.0)",
+            "```", "",
+        ]
+    if loaders["dflash"]:
+        lines += [f"The published DFlash reference code (`DFlashDraftModel` of the `dflash` package) does not run this export as "
+                  f"trained: {loaders['dflash']}.", ""]
+    else:
+        lines += ["The published DFlash reference code (`DFlashDraftModel` of the `dflash` package) also runs it as trained.", ""]
+    return lines
+
+
 def model_card(cfg: dict[str, Any], checkpoint: str | Path, n_params: int, engines: dict[str, str | None],
                results: dict[str, Any] | None, name: str = "DRAFT_DIR") -> str:
     """The README.md text. `engines`: engine -> None when it serves this draft as trained, else the refusal."""
@@ -189,6 +241,8 @@ def model_card(cfg: dict[str, Any], checkpoint: str | Path, n_params: int, engin
         fmt = "" if engine == ds.get("format") else f" (export with `deepspec export CKPT --format {engine}` first)"
         cmd = vllm_command(target, name, algo, s) if engine == "vllm" else sglang_command(target, name, algo, s)
         lines += [f"{label}{fmt}:", "", "```bash", cmd, "```", ""]
+    if algo == "dflash":
+        lines += _transformers(cfg, ds, target, name)
     lines += [
         "## Limitations", "",
         f"- Acceptance depends on what is drafted: the figures above hold for the listed splits at the stated temperature "

@@ -2,7 +2,9 @@
 
   * EAGLE-3 / 3.1 -> `LlamaForCausalLMEagle3` (Llama-style layers) or `Eagle3Qwen3ForCausalLM` (q/k norms),
     aux layer ids = our taps + 1, draft vocabulary via d2t/t2d, embeddings omitted (shared with the target).
-  * DFlash        -> `DFlashDraftModel` (model_type qwen3), dflash_config.target_layer_ids = our taps.
+  * DFlash        -> `DFlashDraftModel` (model_type qwen3), dflash_config.target_layer_ids = our taps, every field the
+                     published DFlash checkpoints carry, and our own transformers modeling file (export/hf_remote/) with
+                     an `auto_map`, so `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` runs it.
   * DSpark        -> speculators format (`speculators_model_type: dspark`) that vLLM maps to Qwen3DSparkModel.
   DFlash / DSpark with a draft vocabulary also write `draft_vocab_size`, `lm_head.weight` (the target head's rows
   of the draft vocabulary) and d2t / t2d, which vLLM's DFlashQwen3ForCausalLM / Qwen3DSparkForCausalLM read
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from deepspec.config.model import block_window_error
 from deepspec.drafts.checkpoint import load_draft, read_draft_config
 from deepspec.diskfull import room_for, tensor_bytes
 from deepspec.errors import CheckpointError, ConfigError
@@ -165,20 +168,51 @@ def _block_weights(draft, keep_prefixes: tuple[str, ...]) -> dict[str, torch.Ten
     return {n: t for n, t in draft.state_dict().items() if n.startswith(keep_prefixes)}
 
 
-def _dflash(draft, meta) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _dflash(draft, meta, target_cfg: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """DFlashDraftModel config + weights. Beside what vLLM reads, the config carries every field the published DFlash
+    checkpoints carry (so their transformers loader and other readers find them) and maps AutoModel to our own
+    modeling file (export/hf_remote/), which `export_draft` copies into the export."""
+    import transformers
+
     if draft.sample_from_anchor:
         raise ConfigError(
             "This DFlash draft was trained with model.sample_from_anchor=true, which vLLM's DFlashDraftModel does not run; "
             "retrain with sample_from_anchor=false (the DFlash default) or train a DSpark draft."
         )
-    cfg = _sizes(meta["arch"], "qwen3")
+    arch = meta["arch"]
+    cfg = _sizes(arch, "qwen3")
+    sliding = "sliding_window" in cfg
+    rope = {k: v for k, v in arch["rope_parameters"].items() if k != "rope_theta"}
+    tcfg = target_cfg or {}
     cfg.update(
         architectures=["DFlashDraftModel"],
+        auto_map={"AutoModel": f"{REMOTE_MODULE}.DFlashDraftModel"},
         draft_vocab_size=draft.draft_vocab_size,
         block_size=draft.block_size,
+        num_target_layers=arch["target_num_layers"],
+        # the block attends both ways; stated at the top level too, where loaders that otherwise make sliding
+        # layers causal (the published DFlash modeling code, vLLM, SGLang) read it first
+        is_causal=False,
         dflash_config={"mask_token_id": draft.mask_token_id, "target_layer_ids": to_dflash_layer_ids(draft.taps), "causal": False},
+        layer_types=list(arch.get("layer_types") or ["full_attention"] * arch["num_layers"]),
+        sliding_window=cfg.get("sliding_window") if sliding else None,
+        use_sliding_window=sliding,
+        max_window_layers=cfg.get("max_window_layers", 0) if sliding else arch["num_layers"],
+        # transformers releases before rope_parameters read rope_theta + rope_scaling
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+        bos_token_id=tcfg.get("bos_token_id"),
+        eos_token_id=tcfg.get("eos_token_id"),
+        transformers_version=transformers.__version__,
     )
     return cfg, _block_weights(draft, ("fc.", "hidden_norm.", "norm.", "layers."))
+
+
+# our transformers modeling file for DFlash exports (`AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`)
+REMOTE_MODULE = "modeling_deepspec_dflash"
+REMOTE_FILE = Path(__file__).with_name("hf_remote") / f"{REMOTE_MODULE}.py"
 
 
 def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -275,7 +309,11 @@ def export_draft(
     if fmt not in FORMATS:
         raise ConfigError(f"Unknown export format '{fmt}'; use one of {', '.join(FORMATS)}.")
     meta = read_draft_config(checkpoint)["deepspec"]
-    check_target(meta, target)
+    target_cfg = check_target(meta, target)
+    mcfg = meta["model"]
+    short = block_window_error(meta["algorithm"], int(mcfg.get("block_size") or 1), mcfg.get("layer_types"), mcfg.get("sliding_window"))
+    if short:  # a checkpoint trained before the config refused it
+        raise ConfigError(short)
     if meta["arch"].get("norm_offset") or meta["arch"].get("embed_scale", 1.0) != 1.0 or meta["arch"].get("logit_softcap"):
         raise ConfigError(
             "This draft uses Gemma-style norms / embedding scaling / logit soft-capping, which vLLM's Llama/Qwen3 draft "
@@ -286,7 +324,7 @@ def export_draft(
     if algo == "eagle3":
         cfg, weights = _eagle3(draft, meta)
     elif algo == "dflash":
-        cfg, weights = _dflash(draft, meta)
+        cfg, weights = _dflash(draft, meta, target_cfg)
     elif algo == "dspark":
         cfg, weights = _dspark(draft, meta, target)
     else:
@@ -300,6 +338,8 @@ def export_draft(
             _name_mask_token(cfg, target_folder(meta, target))
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
+    if algo == "dflash":
+        cfg["dtype"] = dtype  # the name transformers 5 writes (published DFlash checkpoints carry it)
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
                        "provenance": meta.get("provenance", {}), "model": meta["model"],
                        "num_speculative_tokens": served_tokens(algo, meta["model"], num_speculative_tokens)}
@@ -317,6 +357,8 @@ def export_draft(
     try:
         with room_for(out, tensor_bytes(tensors), "the export", f"{keep} some space and rerun the export."):
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            if algo == "dflash":
+                shutil.copyfile(REMOTE_FILE, tmp / REMOTE_FILE.name)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
             (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))

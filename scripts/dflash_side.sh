@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install the published DFlash reference code (the `dflash` package: DFlashDraftModel, what the public DFlash
+# checkpoints load with trust_remote_code) into a side folder, without its dependencies, so tests can load our DFlash
+# exports with it under the main environment's torch and transformers without touching that environment.
+# Usage: bash scripts/dflash_side.sh [DIR] [--transformers VERSION]
+#   DIR default: $DEEPSPEC_DFLASH_SIDE or ~/.cache/deepspec/dflash-<version>
+#   --transformers VERSION: also install that transformers release (the one the package pins: 5.15.0 for 0.1.0) into
+#   DIR/transformers-VERSION (with tokenizers / huggingface-hub releases 5.15 accepts), for a separate interpreter to
+#   put first on PYTHONPATH.
+# Prints the folder (and the transformers folder on a second line); exits non-zero when an install fails.
+set -euo pipefail
+VERSION="${DEEPSPEC_DFLASH_VERSION:-0.1.0}"
+DIR="${DEEPSPEC_DFLASH_SIDE:-$HOME/.cache/deepspec/dflash-$VERSION}"
+TF=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --transformers) TF="$2"; shift 2 ;;
+    *) DIR="$1"; shift ;;
+  esac
+done
+PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
+[ -x "$PY" ] || PY=python
+if [ ! -f "$DIR/.complete" ]; then
+  mkdir -p "$DIR"
+  "$PY" -m pip install -q --no-deps --target "$DIR" "dflash==$VERSION" >&2
+  touch "$DIR/.complete"
+fi
+echo "$DIR"
+if [ -n "$TF" ]; then
+  if [ ! -f "$DIR/transformers-$TF/.complete" ]; then
+    # with the tokenizers and huggingface-hub ranges that release accepts (both older than the main environment's)
+    "$PY" -m pip install -q --no-deps --target "$DIR/transformers-$TF" "transformers==$TF" "tokenizers>=0.22,<0.23" "huggingface-hub>=1.5,<2" >&2
+    touch "$DIR/transformers-$TF/.complete"
+  fi
+  echo "$DIR/transformers-$TF"
+fi
