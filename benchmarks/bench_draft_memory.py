@@ -176,24 +176,58 @@ class LiveBytes:
     storages: freed storages leave the count), and the peak of that count. Module-free (torch's MemTracker refuses
     modules called more than once per step, which the TTT chain and the block layers are)."""
 
-    def __init__(self):
+    def __init__(self, bf16_in_fp32: bool = False, skip_compute: bool = False):
         import weakref
 
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
+        from torch.utils._pytree import tree_leaves, tree_map
 
         state = self
         self.current = self.peak = 0
+        self.peak_op = ""
         self.live: dict[int, object] = {}
+        self.emulated = 0
+        aten = torch.ops.aten
+        # ops whose bf16 kernels crawl on a CPU without native bf16 (~0.3 GFLOP/s here, 100x below fp32): computed in
+        # fp32 and rounded to bf16, so every output keeps its bf16 shape, dtype and lifetime (the bytes are the same)
+        # while the step takes minutes instead of hours. Inputs upcast inside the mode are never counted.
+        slow = {aten.mm.default: None, aten.addmm.default: None, aten.bmm.default: None, aten.baddbmm.default: None,
+                aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),  # (out, logsumexp): lse stays fp32
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: None}
+
+        def up(x):
+            return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
 
         def free(key: int, n: int, _ref=None) -> None:
             if state.live.pop(key, None) is not None:
                 state.current -= n
 
+        def on_meta(x):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+        def zeros_like_meta(x):
+            return torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor) else x
+
+        def call(func, args, kwargs):
+            if skip_compute and func in slow:
+                # bytes only: the op's outputs from its meta kernel (shapes, dtypes, strides), zero-filled
+                state.emulated += 1
+                return tree_map(zeros_like_meta, func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs)))
+            if bf16_in_fp32 and func in slow and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
+                                                     for a in tree_leaves((args, kwargs))):
+                state.emulated += 1
+                out = func(*tree_map(up, args), **tree_map(up, kwargs))
+                which = slow[func]
+                if isinstance(out, torch.Tensor):
+                    return out.to(torch.bfloat16)
+                return type(out)(o.to(torch.bfloat16) if isinstance(o, torch.Tensor) and (which is None or i in which) else o
+                                 for i, o in enumerate(out))
+            return func(*args, **kwargs)
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
+                out = call(func, args, kwargs or {})
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.device.type != "meta":
                         st = t.untyped_storage()
@@ -202,7 +236,8 @@ class LiveBytes:
                             n = st.nbytes()
                             state.live[key] = weakref.ref(st, lambda r, key=key, n=n: free(key, n))
                             state.current += n
-                            state.peak = max(state.peak, state.current)
+                            if state.current > state.peak:
+                                state.peak, state.peak_op = state.current, str(func)
                 return out
 
         self.mode = Mode()
@@ -240,7 +275,7 @@ class SdpaLog:
         self.mode = Mode()
 
 
-def measure_activations(cfg, factor: float, precision: str) -> dict:
+def measure_activations(cfg, factor: float, precision: str, compute: bool = False) -> dict:
     """One forward + backward of the recipe's largest micro-batch at width `factor`, on CPU, under LiveBytes
     (every tensor the step allocates, by its real size and dtype, freed when its storage dies): its peak, less the
     gradients of the trainable parameters (counted exactly in state_bytes). Run in a child process."""
@@ -260,7 +295,9 @@ def measure_activations(cfg, factor: float, precision: str) -> dict:
     n_grad = sum(p.numel() * 4 for p in draft.parameters() if p.requires_grad)
     n_rows = len(draft.taps) * (draft.arch.target_hc_mult if draft.arch.tap_reduction == "concat" else 1)
     sdpa = SdpaLog()
-    mt = LiveBytes()
+    from deepspec.cpus import cpu_has_native_bf16
+
+    mt = LiveBytes(bf16_in_fp32=precision == "bf16" and not cpu_has_native_bf16(), skip_compute=not compute)
     t0 = time.perf_counter()
     with sdpa.mode, mt.mode:
         batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32)
@@ -277,7 +314,15 @@ def measure_activations(cfg, factor: float, precision: str) -> dict:
     return {"factor": factor, "hidden_size": h, "q_width": draft.arch.num_attention_heads * draft.arch.head_dim,
             "tap_width": draft.arch.target_hidden_size, "tap_rows": n_rows, "tokens": int(cfg.cache.max_length * cfg.train.micro_batch_size),
             "peak_bytes": total, "grad_bytes": n_grad, "activation_bytes": total - n_grad, "step_s": round(seconds, 1),
-            "sdpa_kernels": kernels, "sdpa_calls": len(sdpa.calls)}
+            "sdpa_kernels": kernels, "sdpa_calls": len(sdpa.calls), "gemm_attention_ops_" + ("emulated" if compute else "shape_only"): mt.emulated,
+            "peak_at_op": mt.peak_op}
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def recipe_main(args) -> dict:
@@ -304,17 +349,45 @@ def recipe_main(args) -> dict:
     if torch.cuda.is_available() and not args.cpu:
         out.update(measured_on_gpu(cfg, args))
         return out
+    axis_values = [None]
+    if args.axis:
+        key, *vals = args.axis
+        axis_values = [int(v) for v in vals]
+        if len(axis_values) != 2:
+            raise SystemExit("--axis takes a recipe key and two smaller values, e.g. --axis model.num_anchors 384 768")
+        published = int(_get(cfg, key))
     runs = []
-    for f in args.factors:
-        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--opts", *args.opts, "--_factor", str(f)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"width x{f}: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for x in axis_values:
+        for f in args.factors:
+            opts = list(args.opts) + ([f"{args.axis[0]}={x}"] if x is not None else [])
+            cmd = [sys.executable, __file__, "--recipe", args.recipe, "--opts", *opts, "--_factor", str(f)]
+            cmd += ["--compute"] if args.compute else []
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"width x{f}: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            if x is not None:
+                run[args.axis[0]] = x
+            print(json.dumps(run), file=sys.stderr, flush=True)
+            runs.append(run)
+    w = real.arch.hidden_size
     (w1, a1), (w2, a2) = [(r["hidden_size"], r["activation_bytes"]) for r in runs[:2]]
     slope = (a2 - a1) / (w2 - w1)
     fixed = a1 - slope * w1
-    w = real.arch.hidden_size
+    if args.axis:
+        # bilinear in (width, axis): activations at the second axis value give the same line; both lines are
+        # extended to the published axis value (linear in it: tokens / anchors), then to the real width
+        (v1, b1), (v2, b2) = [(r["hidden_size"], r["activation_bytes"]) for r in runs[2:4]]
+        slope_b = (b2 - b1) / (v2 - v1)
+        fixed_b = b1 - slope_b * v1
+        x1, x2 = axis_values
+        t = (published - x1) / (x2 - x1)
+        slope, fixed = slope + t * (slope_b - slope), fixed + t * (fixed_b - fixed)
+        out["axis"] = {"key": args.axis[0], "measured_at": axis_values, "published": published,
+                       "why": "the published value does not fit this machine's memory / time: activations are measured at "
+                              "two smaller values and extended linearly to the published one (linear in tokens / anchors "
+                              "at fixed width: flash-style attention keeps no score matrix; a mask or key range that grows "
+                              "faster than linearly below the window makes the extension an over-estimate, not an under-estimate)"}
     activations = fixed + slope * w
     peak = activations + state["trainable_state_bytes"] + state["frozen_bytes"]
     math_calls = sum(r["sdpa_kernels"].get("math", 0) for r in runs)
@@ -402,9 +475,15 @@ def main() -> None:
     ap.add_argument("--recipe", default=None, help="a recipe: one training step's peak at its published length, anchors, layers")
     ap.add_argument("--opts", nargs="*", default=[], help="--opts for the recipe")
     ap.add_argument("--factors", type=float, nargs=2, default=[0.125, 0.25], help="the two reduced widths measured on CPU")
+    ap.add_argument("--axis", nargs=3, default=None, metavar=("KEY", "V1", "V2"),
+                    help="also shrink this recipe key (model.num_anchors, cache.max_length) to V1 and V2 and extend linearly "
+                         "to the published value: for recipes whose published step does not fit the machine measuring it")
     ap.add_argument("--world", type=int, default=8, help="ranks an FSDP recipe shards over (one node)")
     ap.add_argument("--cpu", action="store_true", help="the CPU estimate even where CUDA is available")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--compute", action="store_true",
+                    help="compute every matrix product and attention call (default on CPU: their outputs come from the ops' "
+                         "meta kernels, zero-filled, which allocates the same bytes in a fraction of the time)")
     ap.add_argument("--_factor", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.recipe:
@@ -414,7 +493,7 @@ def main() -> None:
 
             cfg = load_config(a.recipe, a.opts)
             prec = "bf16" if cfg.train.precision in ("bf16", "auto") else "fp32"
-            print(json.dumps(measure_activations(cfg, a._factor, prec)))
+            print(json.dumps(measure_activations(cfg, a._factor, prec, a.compute)))
             return
         res = recipe_main(a)
         text = json.dumps(res, indent=2)
