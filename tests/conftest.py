@@ -68,3 +68,16 @@ def logs(caplog):
     caplog.set_level("INFO", logger="deepspec")
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="session")
+def sglang_side():
+    """The folder scripts/sglang_side.sh installs SGLang's sources into (outside the venv: its pins clash with vLLM's)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sglang_side.sh"
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
+    return r.stdout.strip().splitlines()[-1]

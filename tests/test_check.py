@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,6 @@ from deepspec.drafts.checkpoint import save_draft
 from deepspec.export.writers import export_draft
 from deepspec.targets import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def sglang_side():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_side.sh")], capture_output=True, text=True)
-    if r.returncode != 0 or not r.stdout.strip():
-        pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
-    return r.stdout.strip().splitlines()[-1]
 
 
 def _ckpt(root: Path, family: str, algorithm: str, **fields) -> Path:

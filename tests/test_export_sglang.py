@@ -23,14 +23,6 @@ from deepspec.targets import tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def sglang_side():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_side.sh")], capture_output=True, text=True)
-    if r.returncode != 0 or not r.stdout.strip():
-        pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
-    return r.stdout.strip().splitlines()[-1]
-
-
 def _ckpt(tmp_path, family, algorithm, name="ckpt", **fields):
     fields.setdefault("target_layer_ids", [0, 2, 3])
     cfg = ModelConfig(algorithm=algorithm, block_size=4, markov_rank=8, **fields)
