@@ -189,9 +189,10 @@ class LiveBytes:
         self.live: dict[int, object] = {}
         self.emulated = 0
         aten = torch.ops.aten
-        # ops whose bf16 kernels crawl on a CPU without native bf16 (~0.3 GFLOP/s here, 100x below fp32): computed in
-        # fp32 and rounded to bf16, so every output keeps its bf16 shape, dtype and lifetime (the bytes are the same)
-        # while the step takes minutes instead of hours. Inputs upcast inside the mode are never counted.
+        # the step's compute: with skip_compute their outputs come from the meta kernels, zero-filled (same shapes,
+        # dtypes, strides and lifetimes, so the same bytes); with bf16_in_fp32 (a CPU without native bf16 runs bf16
+        # GEMMs at ~0.3 GFLOP/s, 100x below fp32) they are computed in fp32 and rounded to bf16. Either way the step
+        # takes minutes instead of hours, and inputs converted inside the mode are never counted.
         slow = {aten.mm.default: None, aten.addmm.default: None, aten.bmm.default: None, aten.baddbmm.default: None,
                 aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),  # (out, logsumexp): lse stays fp32
                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default: None}
@@ -398,7 +399,8 @@ def recipe_main(args) -> dict:
             "tokens, packed as the recipe packs; the recipe's anchors, layers, block / TTT depth, draft vocabulary and "
             f"{precision} autocast) on CPU at reduced width: hidden size, MLP size and attention heads x"
             f"{' and x'.join(str(f) for f in args.factors)} (head dim, vocabulary, tokens, layers as published). torch's "
-            "dispatch mode (LiveBytes) counts every storage the step allocates at its real size and dtype while it lives; its peak less the trainable "
+            "dispatch mode (LiveBytes) counts every storage the step allocates at its real size and dtype while it lives (matrix products and "
+            "attention take their outputs from the ops' meta kernels, zero-filled, unless --compute); its peak less the trainable "
             "parameters' gradients is the step's activation memory. Activations are linear in the width at fixed tokens "
             "(hidden states, projections, heads, tap features: T x width; logits chunks, labels, indices, the single KV "
             "head's keys: width-free), so two widths give activations = fixed + slope x hidden, extrapolated to the real "
