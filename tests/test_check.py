@@ -11,26 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspec.config.model import ModelConfig
-from deepspec.drafts import get_algorithm
-from deepspec.drafts.checkpoint import save_draft
 from deepspec.export.writers import export_draft
-from deepspec.targets import tiny_config
+from random_drafts import random_draft_checkpoint
 
 
 
 def _ckpt(root: Path, family: str, algorithm: str, **fields) -> Path:
-    fields.setdefault("target_layer_ids", [0, 2, 3])
-    cfg = ModelConfig(algorithm=algorithm, block_size=4, **fields)
-    torch.manual_seed(0)
-    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
-    if algorithm == "eagle3":
-        draft.set_token_frequencies(torch.arange(320).float())
-    with torch.no_grad():  # random everywhere, norms included, so a swapped or skipped tensor shows
-        for _, p in draft.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
-    prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
-    return save_draft(draft, root / "ckpt", prov)
+    return random_draft_checkpoint(root / "ckpt", family, algorithm, **fields)[1]
 
 
 GOOD = {

@@ -15,27 +15,17 @@ import torch
 
 from deepspec.config.model import ModelConfig
 from deepspec.drafts import get_algorithm
-from deepspec.drafts.checkpoint import save_draft
 from deepspec.errors import ConfigError
 from deepspec.export.writers import export_draft
 from deepspec.targets import tiny_config
+from random_drafts import random_draft_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ckpt(tmp_path, family, algorithm, name="ckpt", **fields):
-    fields.setdefault("target_layer_ids", [0, 2, 3])
-    cfg = ModelConfig(algorithm=algorithm, block_size=4, markov_rank=8, **fields)
-    torch.manual_seed(0)
     # model.qk_norm=false in `fields` gives a Qwen3 target Llama-style EAGLE-3 layers, through the recipe's own path
-    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
-    if algorithm == "eagle3":
-        draft.set_token_frequencies(torch.arange(320).float())
-    with torch.no_grad():  # random everywhere, norms included, so a swapped or skipped tensor shows
-        for n, p in draft.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
-    prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
-    return draft, save_draft(draft, tmp_path / name, prov)
+    return random_draft_checkpoint(tmp_path / name, family, algorithm, markov_rank=8, **fields)
 
 
 def _probe(side, jobs: list[tuple]) -> list[dict]:

@@ -1,0 +1,30 @@
+"""A saved draft checkpoint for a tiny target with every tensor perturbed, norms included, so an export that swaps,
+skips or mis-scales a tensor shows in an engine's forward (shared by the SGLang export and `deepspec check` tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import get_algorithm
+from deepspec.drafts.checkpoint import save_draft
+from deepspec.targets import tiny_config
+
+
+def random_draft_checkpoint(out: Path, family: str, algorithm: str, **fields):
+    """(draft, checkpoint folder `out`) for tiny-`family`: target taps 0, 2, 3 and block size 4 unless `fields` say
+    otherwise; an EAGLE-3 draft vocabulary from rising token counts."""
+    fields.setdefault("target_layer_ids", [0, 2, 3])
+    fields.setdefault("block_size", 4)
+    cfg = ModelConfig(algorithm=algorithm, **fields)
+    torch.manual_seed(0)
+    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
+    if algorithm == "eagle3":
+        draft.set_token_frequencies(torch.arange(320).float())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+    prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
+    return draft, save_draft(draft, out, prov)
