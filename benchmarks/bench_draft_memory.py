@@ -187,6 +187,10 @@ class LiveBytes:
         self.current = self.peak = 0
         self.peak_op = ""
         self.live: dict[int, object] = {}
+        self.known: set[int] = set()  # storages that existed before the step (parameters, buffers): views of them are not new
+        self.what: dict[int, str] = {}  # storage -> the op and shape that made it
+        self.at_peak: list[tuple[str, int]] = []  # the largest live storages when the peak was last raised by >1%
+        self._snap = 0
         self.emulated = 0
         aten = torch.ops.aten
         # the step's compute: with skip_compute their outputs come from the meta kernels, zero-filled (same shapes,
@@ -203,6 +207,7 @@ class LiveBytes:
         def free(key: int, n: int, _ref=None) -> None:
             if state.live.pop(key, None) is not None:
                 state.current -= n
+                state.what.pop(key, None)
 
         def on_meta(x):
             return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
@@ -233,15 +238,34 @@ class LiveBytes:
                     if isinstance(t, torch.Tensor) and t.device.type != "meta":
                         st = t.untyped_storage()
                         key = st._cdata
-                        if key not in state.live:
+                        if key not in state.live and key not in state.known:
                             n = st.nbytes()
                             state.live[key] = weakref.ref(st, lambda r, key=key, n=n: free(key, n))
+                            state.what[key] = f"{func} {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
                             state.current += n
                             if state.current > state.peak:
                                 state.peak, state.peak_op = state.current, str(func)
+                                if state.peak > state._snap * 1.01:
+                                    state._snap = state.peak
+                                    state.snapshot(st)
                 return out
 
         self.mode = Mode()
+
+    def ignore(self, tensors) -> None:
+        """Storages allocated before the step (the draft's parameters and frozen buffers, counted exactly in `state`):
+        an op returning a view of one (a transposed frozen LM head) allocates nothing."""
+        self.known.update(t.untyped_storage()._cdata for t in tensors)
+
+    def snapshot(self, *_keep) -> None:
+        """What is live now, grouped by op / shape / dtype, largest first (bytes summed over same-described storages)."""
+        groups: dict[str, int] = {}
+        for key, ref in self.live.items():
+            st = ref()
+            if st is not None:
+                desc = self.what.get(key, "?")
+                groups[desc] = groups.get(desc, 0) + st.nbytes()
+        self.at_peak = sorted(groups.items(), key=lambda kv: -kv[1])[:20]
 
 
 class SdpaLog:
@@ -299,6 +323,7 @@ def measure_activations(cfg, factor: float, precision: str, compute: bool = Fals
     from deepspec.cpus import cpu_has_native_bf16
 
     mt = LiveBytes(bf16_in_fp32=precision == "bf16" and not cpu_has_native_bf16(), skip_compute=not compute)
+    mt.ignore([*draft.parameters(), *draft.buffers()])
     t0 = time.perf_counter()
     with sdpa.mode, mt.mode:
         batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32)
@@ -316,7 +341,8 @@ def measure_activations(cfg, factor: float, precision: str, compute: bool = Fals
             "tap_width": draft.arch.target_hidden_size, "tap_rows": n_rows, "tokens": int(cfg.cache.max_length * cfg.train.micro_batch_size),
             "peak_bytes": total, "grad_bytes": n_grad, "activation_bytes": total - n_grad, "step_s": round(seconds, 1),
             "sdpa_kernels": kernels, "sdpa_calls": len(sdpa.calls), "gemm_attention_ops_" + ("emulated" if compute else "shape_only"): mt.emulated,
-            "peak_at_op": mt.peak_op}
+            "peak_at_op": mt.peak_op,
+            "live_at_peak_mb": {desc: round(n / 2**20, 1) for desc, n in mt.at_peak}}
 
 
 def _get(cfg, dotted: str):

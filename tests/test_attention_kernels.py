@@ -287,16 +287,45 @@ def test_chunked_chain_equals_the_dense_reference(step, packed, window, small_ch
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("window", [None, 3, 13])
-def test_chunked_blocks_equal_the_dense_reference(window, small_chunks):
-    """Several chunks, key ranges inside packed samples, a padded context tail, dropped blocks: exact in fp32."""
+def test_chunked_blocks_equal_the_dense_reference(window, recompute, small_chunks):
+    """Several chunks, key ranges inside packed samples, a padded context tail, dropped blocks: exact in fp32, with the
+    chunks' masks kept for backward or rebuilt in it."""
     tensors, meta = _block_inputs()
     plan = attention.BlockBounds.of(*meta[:3]).chunks(window, 4, 2, 2)
     assert len(plan) > 3 and (window is None or any(lo > 0 for _, _, lo, hi in plan if hi > lo))  # ranges start inside
-    out = attention.block_attention(*tensors, *meta, window)
+    out = attention.block_attention(*tensors, *meta, window, recompute=recompute)
     ref = attention.dense_block_reference(*tensors, *meta, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     w = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * w).sum(), tensors), torch.autograd.grad((ref * w).sum(), tensors)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_recomputed_chunks_keep_no_query_alive_inside_a_checkpointed_layer(small_chunks):
+    """Under the layer's checkpoint, recomputed chunks must not keep the layer's queries until backward (a chunk
+    function that read `q` from block_attention's scope did, for every layer); gradients still equal the dense
+    reference."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    tensors, meta = _block_inputs()
+    alive = {}
+
+    def layer(q0, *kv):
+        q = q0 * 1.0  # made inside the layer, as its queries are
+        alive["q"] = weakref.ref(q)
+        return attention.block_attention(q, *kv, *meta, 3, recompute=True)
+
+    out = checkpoint(layer, *tensors, use_reentrant=False)
+    gc.collect()
+    assert alive["q"]() is None, "the layer's queries outlived its checkpointed forward"
+    ref = attention.dense_block_reference(*tensors, *meta, 3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn(out.shape)
     for a, r in zip(torch.autograd.grad((out * w).sum(), tensors), torch.autograd.grad((ref * w).sum(), tensors)):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 

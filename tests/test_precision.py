@@ -148,6 +148,38 @@ def test_rmsnorm_returns_its_inputs_dtype():
         torch.testing.assert_close(out.float(), norm(x), rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_backward_equals_autograd_on_the_eager_formula(dtype, offset, monkeypatch):
+    """The norm keeps only its input and the inverse RMS for backward: values and gradients equal autograd through
+    the eager formula (fp32: to rounding; bf16: within one bf16 rounding of the input gradient, since the eager
+    formula rounds its gradient at the normalised tensor to bf16 and this one does not), and it keeps fewer bytes."""
+    from deepspec.drafts import layers
+
+    monkeypatch.setattr(layers, "_NORM_CHUNK", 64 * 3 * 2)  # slices of 2 tokens: the sliced arithmetic is exercised
+    torch.manual_seed(0)
+    norm = RMSNorm(64, offset=offset)
+    norm.weight.data.uniform_(-0.5, 1.5)
+    x = (torch.randn(3, 64, 5) * 3).to(dtype).transpose(1, 2).requires_grad_()  # a strided view, as q / k arrive
+    gy = torch.randn(3, 5, 64).to(dtype)
+    out, ref = norm(x), norm.reference(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref)  # the same forward arithmetic (sliced: fp32 sums may differ in the last bit)
+    got = torch.autograd.grad(out, [x, norm.weight], gy)
+    want = torch.autograd.grad(ref, [x, norm.weight], gy)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    # fewer saved bytes: the eager formula keeps an fp32 copy of x and the normalised x besides
+    def saved(fn):
+        nbytes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: nbytes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            fn(x)
+        return sum(nbytes)
+    assert saved(norm) < saved(norm.reference)
+
+
 def test_setup_precision_holds_the_frozen_target_in_the_training_dtype(monkeypatch):
     from deepspec.train import precision
 

@@ -7,12 +7,17 @@ Two patterns cover every draft:
 * Block drafts (`block_attention`): each block's K queries see context keys in [segment start, anchor) plus their
   own block bidirectionally.
 
-The small part (the diagonal: k keys per row; the own block: K keys per block) is computed eagerly in fp32. The
-large part (causal / context keys) is one SDPA call per sample or per chunk of queries, and the two are merged
-*inside* that call, exactly: SDPA returns no log-sum-exp to merge with afterwards, so a sentinel key whose score is the
-small part's log-sum-exp, and whose value marks an extra output channel, joins the call; the kernel's fp32 softmax
-then gives the large part its exact normalisation and the small part its share Z_small / (Z_large + Z_small), and
-out = large + share * small (added in fp32).
+Block drafts: each chunk of blocks is one call over the context keys its blocks see with the chunk's own block keys
+appended (a copy of (keys + rows) x d per chunk), and one additive mask showing each query its context range and its
+own block: one softmax over both, in the kernel, as the engine computes it. With activation checkpointing on, a
+chunk's mask and kernel output are rebuilt in backward (`recompute`), so a layer keeps no mask at all.
+
+The TTT chain: the small part (the diagonal, k keys per row) is computed eagerly in fp32; the large part (the causal
+keys) is one SDPA call per sample or per chunk of queries, and the two are merged *inside* that call, exactly: SDPA
+returns no log-sum-exp to merge with afterwards, so a sentinel key whose score is the small part's log-sum-exp, and
+whose value marks an extra output channel, joins the call; the kernel's fp32 softmax then gives the large part its
+exact normalisation and the small part its share Z_small / (Z_large + Z_small), and out = large + share * small
+(added in fp32). (Appending the diagonal keys instead would copy every row's k keys per chunk.)
 
 What each call is, so that CUDA runs it on a fused kernel (tests/test_attention_kernels.py checks every call of a
 training step against PyTorch's CUDA rules):
@@ -23,10 +28,11 @@ training step against PyTorch's CUDA rules):
   by up to ±5%).
 * Unwindowed causal parts (EAGLE-3 step 0, the chain's causal part): one `is_causal` call per sample, no mask,
   `enable_gqa` -> the flash kernel. A zero query row in front lets every row see the sentinel key at index 0.
-* Windowed parts and the block drafts' context: query chunks over a bounded key range with an additive mask in the
+* Windowed chain parts and the block chunks: query chunks over a bounded key range with an additive mask in the
   compute dtype -> the memory-efficient kernel. Its GQA support is recent, so grouped query heads are folded into the
-  query axis ([B, kv_heads, group * L, D]) instead of copying keys. Key ranges are views of one key tensor that holds
-  a sentinel slot before every `_SPAN` keys (the mask shows the range's first one), so chunks copy no keys.
+  query axis ([B, kv_heads, group * L, D]) instead of copying keys (or broadcasting them with stride 0, which the
+  kernel's backward has not always handled). The chain's key ranges are views of one key tensor that holds a
+  sentinel slot before every `_SPAN` keys (the mask shows the range's first one), so chunks copy no keys.
 
 Packed rows (several samples per row, `segment_ids`) and sliding-window layers (key allowed iff q_pos - k_pos <
 window, HF/vLLM semantics) are honoured by both. On CPU the same calls run on PyTorch's CPU flash kernel, exact in
@@ -37,9 +43,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # (row, start, end): one contiguous sample of a batch row; row None = every row (unpacked layout)
 Range = tuple[int | None, int, int]
@@ -287,7 +295,8 @@ class BlockBounds:
 
     def chunks(self, window: int | None, block: int, rows: int, group: int) -> list[tuple[int, int, int, int]]:
         """(a0, a1, lo, hi): blocks a0..a1-1 and the context keys [lo, hi) any of them sees (hi <= lo: none), grown
-        block by block while the chunk's mask stays within _CHUNK_ELEMENTS."""
+        block by block while the chunk's mask (batch rows x folded query heads x its blocks' queries x (context keys +
+        their own keys)) stays within _CHUNK_ELEMENTS."""
         key = (window, block, rows, group)
         if key in self._plans:
             return self._plans[key]
@@ -306,8 +315,8 @@ class BlockBounds:
             a1 = a0 + 1
             while a1 < a_n:
                 nlo, nhi = min(lo, spans[a1][0]), max(hi, spans[a1][1])
-                keys = max(0, nhi - nlo) * (_SPAN + 1) // _SPAN + 2
-                if rows * group * (a1 + 1 - a0) * block * keys > _CHUNK_ELEMENTS:
+                q_rows = (a1 + 1 - a0) * block
+                if rows * group * q_rows * (max(0, nhi - nlo) + q_rows) > _CHUNK_ELEMENTS:
                     break
                 lo, hi, a1 = nlo, nhi, a1 + 1
             plan.append((a0, a1, lo, hi))
@@ -328,55 +337,62 @@ def block_attention(
     key_valid: torch.Tensor,
     window: int | None = None,
     bounds: BlockBounds | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Block-draft attention. q [B,h,A*K,d]; kb/vb [B,hk,A*K,d] the blocks' own keys (block a, slot i at
     position anchor + i); kc/vc [B,hk,S,d] context keys (row s); anchors / ctx_start / keep [B, A]: block a
     sees context rows in [ctx_start, anchor) when keep (its sample's first row, so packed samples never mix);
     key_valid [B, S] real context rows; bounds: `BlockBounds.of(anchors, ctx_start, keep)` when the caller shares one
-    host read among layers. Returns [B, h, A*K, d]."""
+    host read among layers. Returns [B, h, A*K, d], a transposed view of a [B, A*K, h, d] tensor (the layout the output
+    projection reads without a copy).
+
+    Each chunk of blocks is one kernel call over its context key range with the chunk's own block keys appended: the
+    kernel's fp32 softmax normalises context and own block together (the engine's arithmetic, one rounding of the
+    output); nothing is upcast or merged outside it. With `recompute` (the layers' activation checkpointing) a chunk's
+    mask, folded queries, keys and kernel output are rebuilt in backward instead of kept: a chunk keeps nothing but
+    references to q / k / v, where its mask alone (query heads x rows x keys) would outweigh the output."""
     b_n, h, q_n, d = q.shape
     hk = kc.shape[1]
     a_n = anchors.shape[1]
     k_n = q_n // a_n
     g = h // hk
     scale = 1.0 / math.sqrt(d)
-    # own block, bidirectional, in fp32: [B, hk, g, A, K, K]
-    with torch.autocast(q.device.type, enabled=False):
-        qb = _acc(q).reshape(b_n, hk, g, a_n, k_n, d)
-        scores = torch.einsum("bhgaid,bhajd->bhgaij", qb, _acc(kb).reshape(b_n, hk, a_n, k_n, d)) * scale
-        if window is not None and k_n > window:
-            i = torch.arange(k_n, device=q.device)
-            scores = scores.masked_fill((i[:, None] - i[None, :] >= window), float("-inf"))
-        lse_o = torch.logsumexp(scores, dim=-1)  # [B, hk, g, A, K]
-        out_o = torch.einsum("bhgaij,bhajd->bhgaid", torch.exp(scores - lse_o.unsqueeze(-1)), _acc(vb).reshape(b_n, hk, a_n, k_n, d))
-    out_o = out_o.reshape(b_n, h, q_n, d)
-    # context part: chunks of blocks over the key range they see, merged through the sentinel
-    qx = _with_lse(q, lse_o.reshape(b_n, h, q_n), scale)
-    keys = _Keys(kc, vc, sentinel=True)
     bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep)
     slot = torch.arange(k_n, device=q.device)
+    own_vis = slot[:, None] - slot[None, :] < (window if window is not None else k_n)  # [K, K]: key slot j for query slot i
     valid = key_valid.bool()
-    pieces = []
-    for a0, a1, lo, hi in bounds.chunks(window, k_n, b_n, g):
-        qc = qx[:, :, a0 * k_n : a1 * k_n]
-        if hi <= lo:  # no block of the chunk sees context: the own block is all there is
-            piece = qc.new_zeros(qc.shape, dtype=_compute_dtype(q))
-            piece[..., d] = 1.0
-            pieces.append(piece)
-            continue
-        kr, vr, pos, shown = keys.span(lo, hi)
-        real = pos >= 0
-        pc = pos.clamp(min=0)
+
+    def chunk(a0: int, a1: int, lo: int, hi: int, qc, kbc, vbc, kc, vc) -> torch.Tensor:
+        # reads no large tensor of the enclosing scope: a recomputed chunk keeps this closure until backward, and a
+        # captured q would keep the layer's queries alive through its checkpoint
+        nb, n_ctx = a1 - a0, max(0, hi - lo)
+        # visibility [B, nb, K, n_ctx + nb*K]: context keys as the anchors allow, then the chunk's own blocks
+        pc = torch.arange(lo, lo + n_ctx, device=qc.device)
         anc, start = anchors[:, a0:a1, None], ctx_start[:, a0:a1, None]
-        vis = (pc < anc) & (pc >= start) & keep[:, a0:a1, None].bool() & valid[:, None, :].gather(2, pc.expand(b_n, 1, -1))  # [B, G, n]
-        vis = vis[:, :, None, :].expand(-1, -1, k_n, -1)  # [B, G, K, n]
+        ctx = (pc < anc) & (pc >= start) & keep[:, a0:a1, None].bool() & valid[:, None, lo : lo + n_ctx]  # [B, nb, n]
+        ctx = ctx[:, :, None, :].expand(-1, -1, k_n, -1)
         if window is not None:
-            qpos = anc + slot  # [B, G, K]
-            vis = vis & (qpos[..., None] - pc < window)
-        vis = (vis & real) | (shown & ~real)
-        pieces.append(_grouped(qc, kr, vr, vis.reshape(b_n, (a1 - a0) * k_n, -1), scale))
-    out = torch.cat(pieces, dim=2)
-    return _merge(out, out_o, d)
+            ctx = ctx & ((anc + slot)[..., None] - pc < window)
+        own = torch.eye(nb, dtype=torch.bool, device=qc.device)[:, None, :, None] & own_vis[None, :, None, :]  # [nb, K, nb, K]
+        vis = torch.cat([ctx, own.reshape(1, nb, k_n, nb * k_n).expand(b_n, -1, -1, -1)], dim=-1)
+        k_all = torch.cat([kc[:, :, lo : lo + n_ctx], kbc], dim=2)
+        v_all = torch.cat([vc[:, :, lo : lo + n_ctx], vbc], dim=2)
+        out = _grouped(qc, k_all, v_all, vis.reshape(b_n, nb * k_n, -1), scale)  # [B, h, rows, d]
+        return out.transpose(1, 2)  # [B, rows, h, d]
+
+    plan = bounds.chunks(window, k_n, b_n, g)
+    # the chunks' rows as one split (its backward concatenates their gradients once; slicing per chunk would make a
+    # zero-filled full-size gradient per chunk and add them up)
+    sizes = [(a1 - a0) * k_n for a0, a1, _, _ in plan]
+    parts = zip(q.split(sizes, dim=2), kb.split(sizes, dim=2), vb.split(sizes, dim=2))
+    pieces = []
+    for (a0, a1, lo, hi), (qc, kbc, vbc) in zip(plan, parts):
+        fn = partial(chunk, a0, a1, lo, hi)
+        if recompute and torch.is_grad_enabled():
+            pieces.append(checkpoint(fn, qc, kbc, vbc, kc, vc, use_reentrant=False))
+        else:
+            pieces.append(fn(qc, kbc, vbc, kc, vc))
+    return torch.cat(pieces, dim=1).transpose(1, 2)
 
 
 # --- dense-mask references (tests only) --------------------------------------------------------------

@@ -231,9 +231,10 @@ class BlockDraft(TargetBackedDraft):
         x = self.embed(ids).to(ctx.dtype)
         am = batch.attention_mask.bool()
         bounds = BlockBounds.of(anchors, ctx_start, keep)  # one host read of the anchors for every layer's key ranges
+        recompute = bool(self.model_cfg.activation_checkpointing)  # trading compute for memory: the chunks' masks too
 
         def attn(i, q, kb, vb, kc, vc):
-            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), bounds)
+            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), bounds, recompute)
 
         h = self.backbone(x, pos, self.context_kv(ctx, positions), None, attn=attn)
         return h.view(b, anchors.shape[1], self.block_size, -1)

@@ -128,9 +128,74 @@ def arch_from_target(target_config: Any, model_cfg: Any, *, qk_norm: bool | None
     )
 
 
+def _rms_scale(xhat: torch.Tensor, weight: torch.Tensor, offset: float, dtype: torch.dtype) -> torch.Tensor:
+    """The weight applied to the fp32-normalised xhat, rounded as HF does: Gemma-style (offset) norms scale in fp32,
+    Llama/Qwen3-style norms round xhat to the input dtype first."""
+    if offset:
+        return ((offset + weight.float()) * xhat).to(dtype)
+    return (weight * xhat.to(dtype)).to(dtype)
+
+
+# elements per slice of the norm's fp32 arithmetic (64 MiB of fp32): bounds its temporaries, forward and backward
+_NORM_CHUNK = 1 << 24
+
+
+def _row_slices(x: torch.Tensor) -> list[tuple[int, int]]:
+    """[s, e) slices of x's second-to-last axis (tokens), each holding at most ~_NORM_CHUNK elements."""
+    if x.dim() < 2:
+        return [(0, 0)]
+    n = x.shape[-2]
+    step = max(1, _NORM_CHUNK // max(1, x.numel() // max(1, n)))
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _rows(x: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    return x if x.dim() < 2 else x[..., s:e, :]
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm that keeps only its input (in its own dtype) and the fp32 inverse RMS for backward, and does its fp32
+    arithmetic in slices of tokens. Autograd through the eager formula keeps an fp32 copy of the input and the
+    normalised tensor (3x the input's bytes in bf16) and makes several input-sized fp32 temporaries at once: for a
+    draft's q_norm (query rows x heads x head dim) the largest tensors of a layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+        for s, e in _row_slices(x):
+            xf = _rows(x, s, e).float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            _rows(rstd, s, e).copy_(r)
+            _rows(out, s, e).copy_(_rms_scale(xf * r, weight, offset, x.dtype))
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return out
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        w = weight.float() + ctx.offset
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = torch.empty_like(x) if need_x else None
+        gw = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device) if need_w else None
+        for s, e in _row_slices(x):
+            r = _rows(rstd, s, e)
+            xhat = _rows(x, s, e).float() * r
+            g = _rows(gy, s, e).float()
+            if need_w:
+                seen = xhat if ctx.offset else xhat.to(x.dtype).float()  # what the weight multiplied in forward
+                gw += (g * seen).reshape(-1, x.shape[-1]).sum(0)
+            if need_x:
+                g = g * w
+                _rows(gx, s, e).copy_(r * (g - xhat * (g * xhat).mean(-1, keepdim=True)))
+        return gx, (gw.to(weight.dtype) if need_w else None), None, None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines; returns the input's dtype
-    (bf16 in, bf16 out: an fp32 weight must not turn the residual stream fp32 under autocast)."""
+    (bf16 in, bf16 out: an fp32 weight must not turn the residual stream fp32 under autocast). Backward recomputes the
+    normalisation from the input (`_RMSNormFn`) instead of keeping fp32 intermediates."""
 
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
@@ -139,12 +204,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return ((self.offset + self.weight.float()) * x).to(dtype)
-        return (self.weight * x.to(dtype)).to(dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps, self.offset)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The eager formula, differentiated by autograd (tests compare forward() with it)."""
+        xf = x.float()
+        return _rms_scale(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps), self.weight, self.offset, x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
