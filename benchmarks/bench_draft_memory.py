@@ -186,9 +186,8 @@ class LiveBytes:
         state = self
         self.current = self.peak = 0
         self.peak_op = ""
-        self.live: dict[int, object] = {}
+        self.live: dict[int, tuple[object, str]] = {}  # storage -> (weak reference, the op / shape / dtype that made it)
         self.known: set[int] = set()  # storages that existed before the step (parameters, buffers): views of them are not new
-        self.what: dict[int, str] = {}  # storage -> the op and shape that made it
         self.at_peak: list[tuple[str, int]] = []  # the largest live storages when the peak was last raised by >1%
         self._snap = 0
         self.emulated = 0
@@ -207,7 +206,6 @@ class LiveBytes:
         def free(key: int, n: int, _ref=None) -> None:
             if state.live.pop(key, None) is not None:
                 state.current -= n
-                state.what.pop(key, None)
 
         def on_meta(x):
             return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
@@ -240,14 +238,14 @@ class LiveBytes:
                         key = st._cdata
                         if key not in state.live and key not in state.known:
                             n = st.nbytes()
-                            state.live[key] = weakref.ref(st, lambda r, key=key, n=n: free(key, n))
-                            state.what[key] = f"{func} {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                            desc = f"{func} {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                            state.live[key] = (weakref.ref(st, lambda r, key=key, n=n: free(key, n)), desc)
                             state.current += n
                             if state.current > state.peak:
                                 state.peak, state.peak_op = state.current, str(func)
                                 if state.peak > state._snap * 1.01:
                                     state._snap = state.peak
-                                    state.snapshot(st)
+                                    state.snapshot()
                 return out
 
         self.mode = Mode()
@@ -257,13 +255,12 @@ class LiveBytes:
         an op returning a view of one (a transposed frozen LM head) allocates nothing."""
         self.known.update(t.untyped_storage()._cdata for t in tensors)
 
-    def snapshot(self, *_keep) -> None:
+    def snapshot(self) -> None:
         """What is live now, grouped by op / shape / dtype, largest first (bytes summed over same-described storages)."""
         groups: dict[str, int] = {}
-        for key, ref in self.live.items():
+        for ref, desc in self.live.values():
             st = ref()
             if st is not None:
-                desc = self.what.get(key, "?")
                 groups[desc] = groups.get(desc, 0) + st.nbytes()
         self.at_peak = sorted(groups.items(), key=lambda kv: -kv[1])[:20]
 
