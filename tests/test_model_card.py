@@ -74,8 +74,8 @@ def test_card_reports_the_checkpoints_own_eval_and_served_figures(tmp_path):
     row = next(line for line in card.splitlines() if line.startswith("| gsm8k | 2 |"))
     assert f"| {gsm['acc0']:.3f} |" in row and f"| {gsm['E[A]@S3']:.3f} |" in row and f"| {gsm['tau@3']:.3f} |" in row
     assert row.count("| not measured |") == 2  # E[A]@S7 (3 drafts per round) and our loop's speedup were not measured
-    assert "| gsm8k | 2.500 | 3.000 | 40.0 | 1.31x | 1.05x |" in card
-    assert "on 2-core CPU" in card and "| Block size | 4 " in card
+    assert "| gsm8k | 2.500 | 3.000 | not decided | 40.0 | 1.31x | 1.05x |" in card  # no per-depth verdict recorded
+    assert "on 2-core CPU, greedy (T=0) on both sides" in card and "temperature 0.0 (greedy (T=0))" in card and "| Block size | 4 " in card
     assert "| Training samples / loss tokens (cache manifest) | 1234 / 56789 |" in card
     assert '"method":"dflash","model":"out","num_speculative_tokens":3' in card  # the training block
     assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 4" in card

@@ -66,6 +66,12 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert list(results["tasks"]) == ["heldout:general"]
     engine = results["engine"]["overall"]
     assert engine["engine_drafts"] > 0
+    # the served speedup (vLLM tokens/s with and without the draft, one request and 16 in flight) on the headline split
+    served = results["engine"]["speedup"]
+    for mode in ("single", "concurrent"):
+        cell = served["heldout:general"][mode]
+        assert cell["spec_tokens_per_s"] > 0 and cell["baseline_tokens_per_s"] > 0 and cell["speedup"] > 0, served
+    assert "Served speedup" in (eval_dir / "results.md").read_text() and results["engine"]["machine"]
     assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
     export = eval_dir / "export-vllm" / "config.json"  # engine-backed eval exports next to its results
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 2, 15, 27]

@@ -110,14 +110,53 @@ def test_sliding_settings_are_validated_and_exported():
     assert cfg["layer_types"] == arch["layer_types"] and cfg["sliding_window"] == 5 and cfg["use_sliding_window"]
 
 
+def _export(smollm2_dir, tmp_path, algorithm: str, **fields):
+    """An untrained draft for SmolLM2, saved and exported for vLLM."""
+    from transformers import AutoConfig
+
+    from deepspec.drafts.checkpoint import save_draft
+    from deepspec.export.writers import export_draft
+
+    tc = AutoConfig.from_pretrained(smollm2_dir)
+    cfg = ModelConfig(algorithm=algorithm, **fields)
+    torch.manual_seed(0)
+    draft = get_algorithm(algorithm).from_target_config(tc, cfg)
+    if algorithm != "eagle3" and fields.get("draft_vocab_size"):  # a block draft's head = the target's rows
+        from deepspec.train.build import load_target_head
+
+        draft.load_target_weights(*load_target_head(str(smollm2_dir), tc))
+    if algorithm == "eagle3" or fields.get("draft_vocab_size"):
+        draft.set_token_frequencies(torch.arange(tc.vocab_size, 0, -1).float())
+    prov = {"target": "smollm2-135m-instruct", "target_path": str(smollm2_dir), "target_vocab_size": tc.vocab_size,
+            "target_hidden_size": tc.hidden_size, "target_num_layers": tc.num_hidden_layers, "target_architecture": "LlamaForCausalLM"}
+    ckpt = save_draft(draft, tmp_path / f"{algorithm}-ckpt", prov)
+    return export_draft(ckpt, tmp_path / f"{algorithm}-vllm", "vllm", target=str(smollm2_dir))
+
+
+def _serve_and_count(smollm2_dir, draft_dir, method: str, k: int, tmp_path) -> dict:
+    """vLLM's spec-decode counters over two short greedy completions with the draft served."""
+    import urllib.request
+
+    from deepspec.serving import VLLMServer
+
+    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
+    with VLLMServer(smollm2_dir, speculative_config=spec, log_path=tmp_path / f"{method}.log", max_model_len=1024) as server:
+        before = server.spec_decode_counters()
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            body = json.dumps({"model": server.served_model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0}).encode()
+            req = urllib.request.Request(server.url + "/completions", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                assert json.loads(r.read())["choices"][0]["text"]
+        after = server.spec_decode_counters()
+    return {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted_tokens")}
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_serves_a_sliding_window_dflash_export(smollm2_dir, tmp_path):
     """The exported layer_types / sliding_window load in real vLLM (CPU) and the draft is served."""
     pytest.importorskip("vllm")
     import json
-
-    from test_export_vllm import _export, _serve_and_count
 
     draft_dir = _export(smollm2_dir, tmp_path, "dflash", block_size=4, num_draft_layers=1, layer_types=["sliding_attention"], sliding_window=64)
     cfg = json.loads((draft_dir / "config.json").read_text())

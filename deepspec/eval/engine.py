@@ -80,6 +80,10 @@ def compare(ours: dict[str, Any], engine: dict[str, Any], s: int, ours_protocol:
     e_tau = engine.get("mean_acceptance_length")
     same = ours_protocol == engine_protocol
     diff = (e_tau - ours_tau_s) / ours_tau_s if same and e_tau is not None and ours_tau_s else None
+    e_surv = list(engine.get("acceptance_rate_per_pos") or [])[:s]
+    o_surv = list(ours.get("survival") or [])[:s]
+    # ours 0 at a depth: equal when the engine is 0 too, else no finite ratio (None)
+    depth_diff = [(e - o) / o if o else (0.0 if e == 0 else None) for e, o in zip(e_surv, o_surv)] if same else None
     return {
         "ours_protocol": ours_protocol,
         "engine_protocol": engine_protocol,
@@ -88,13 +92,35 @@ def compare(ours: dict[str, Any], engine: dict[str, Any], s: int, ours_protocol:
         "ours_tau": ours.get("tau"),
         "ours_tau_at_S": ours_tau_s,
         "relative_diff": diff,
-        "engine_survival": list(engine.get("acceptance_rate_per_pos") or [])[:s],
-        "ours_survival": list(ours.get("survival") or [])[:s],
+        "engine_survival": e_surv,
+        "ours_survival": o_surv,
+        "survival_relative_diff": depth_diff,  # per depth k: (engine - ours) / ours, same protocol only
         "engine_drafts": engine.get("drafts"),
         "engine_draft_tokens": engine.get("draft_tokens"),
         "engine_accepted_tokens": engine.get("accepted_tokens"),
         "engine_accepted_per_pos": engine.get("accepted_per_pos"),
     }
+
+
+SERVED_TOLERANCE = 0.05  # per depth, relative: what "served as trained" allows at T = 0 (rounding near ties)
+
+
+def served_as_trained(cell: dict[str, Any], *, greedy: bool, aligned: bool) -> dict[str, Any]:
+    """Does the engine accept our draft's tokens as often as we do, at every depth?
+
+    Only decided at T = 0 with our rounds drafting exactly S tokens (`aligned`): then both sides verify the same
+    rounds of the same greedy answer and the per-depth survival should agree up to argmax flips near ties; a depth
+    more than SERVED_TOLERANCE apart means the engine runs another draft than we trained (a tap, norm, RoPE or
+    vocabulary map differs; `deepspec check EXPORT` names the stage). At T > 0 the two sides are independent samples."""
+    diffs = cell.get("survival_relative_diff")
+    if not greedy or not aligned or not diffs:
+        why = ("T > 0: engine and ours are independent samples" if not greedy else
+               "our rounds drafted more tokens than the engine's S, so the rounds differ" if not aligned else
+               "no per-depth figures on both sides")
+        return {"decided": False, "why": why}
+    worst = max(range(len(diffs)), key=lambda i: -1.0 if diffs[i] is None else abs(diffs[i]))
+    ok = all(d is not None and abs(d) <= SERVED_TOLERANCE for d in diffs)
+    return {"decided": True, "ok": ok, "tolerance": SERVED_TOLERANCE, "worst_depth": worst + 1, "worst_relative_diff": diffs[worst]}
 
 
 class _Client:
@@ -246,6 +272,10 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     s = engine_speculative_tokens(cfg, meta)
     seeded = engine_seeded()
     proto = protocol(cfg)
+    greedy, aligned = cfg.eval.temperature == 0, cfg.eval.num_draft_tokens == s
+    if greedy and not aligned:
+        log.info("ours drafts %d tokens per round, the engine %d: per-depth acceptance is compared on different rounds "
+                 "(set eval.num_draft_tokens=%d for a round-by-round comparison)", cfg.eval.num_draft_tokens, s, s)
     if cfg.eval.temperature != 0:
         log.warning("engine-backed eval at T=%g (%s on both sides): engine and ours are both samples, expect statistical "
                     "differences%s", cfg.eval.temperature, proto,
@@ -266,11 +296,19 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
                 for f in progress(futures, desc=f"vLLM {task}", unit="sample"):
                     f.result()
             delta = counters_delta(before, counters())
-            per_task[task] = compare(results["tasks"].get(task, {}), delta, s, proto, proto)
+            per_task[task] = cell = compare(results["tasks"].get(task, {}), delta, s, proto, proto)
+            cell["served_as_trained"] = verdict = served_as_trained(cell, greedy=greedy, aligned=aligned)
+            if verdict["decided"] and not verdict["ok"]:
+                log.warning("vLLM %s: the engine accepts the draft differently from ours at depth %d (survival %s vs %s, %+.1f%%, "
+                            "tolerance %.0f%%): the export is not served as trained; `deepspec check EXPORT` names the first "
+                            "divergence", task, verdict["worst_depth"], _fmt(cell["engine_survival"][verdict["worst_depth"] - 1]),
+                            _fmt(cell["ours_survival"][verdict["worst_depth"] - 1]), 100 * (verdict["worst_relative_diff"] or 0),
+                            100 * SERVED_TOLERANCE)
             log.info("vLLM %s (%s): engine tau %s vs ours tau@%d %s", task, proto, _fmt(per_task[task]["engine_tau"]), s,
                      _fmt(per_task[task]["ours_tau_at_S"]))
         overall = compare(results["overall"], counters_delta(total_before, counters()), s, proto, proto)
         overall["aggregation"] = "pooled: every verify round of every benchmark together"
+        overall["served_as_trained"] = served_as_trained(overall, greedy=greedy, aligned=aligned)
         return {"tasks": per_task, "overall": overall, "overall_benchmark_mean": _benchmark_mean(per_task),
                 "skipped_requests_too_long": client.skipped, "protocol": proto, "seeded": seeded,
                 "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),

@@ -107,8 +107,8 @@ def markdown(results: dict[str, Any]) -> str:
         proto = eng.get("protocol") or meta.get("protocol")
         seeded = "" if eng.get("seeded", True) else "; engine requests unseeded (vLLM's CPU build cannot honour a per-request seed)"
         lines += ["", f"## Engine-backed ({eng.get('engine')}, {eng.get('num_speculative_tokens')} speculative tokens, {proto} on both sides{seeded})", "",
-                  "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k | served speedup (1 request / 16 concurrent) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| benchmark | engine tau | ours tau@S | diff | engine survival@k | ours survival@k | served as trained | served speedup (1 request / 16 concurrent) |",
+                  "|---|---|---|---|---|---|---|---|"]
         served = eng.get("speedup") or {}
         for name, r in list(eng["tasks"].items()) + [("**overall (pooled)**", eng.get("overall", {})),
                                                      ("**overall (benchmark mean)**", eng.get("overall_benchmark_mean", {}))]:
@@ -118,11 +118,20 @@ def markdown(results: dict[str, Any]) -> str:
             speed = " / ".join(f"{_f((sp.get(m) or {}).get('speedup'), 2)}x" for m in ("single", "concurrent")) if sp else "not measured"
             lines.append(
                 f"| {name} | {_f(r.get('engine_tau'))} | {_f(r.get('ours_tau_at_S'))} | {_f(r.get('relative_diff'), 3)} | "
-                f"{', '.join(_f(v, 2) for v in r.get('engine_survival', []))} | {', '.join(_f(v, 2) for v in r.get('ours_survival', []))} | {speed} |"
+                f"{', '.join(_f(v, 2) for v in r.get('engine_survival', []))} | {', '.join(_f(v, 2) for v in r.get('ours_survival', []))} | "
+                f"{served_verdict(r.get('served_as_trained'))} | {speed} |"
             )
         if served:
             lines += ["", f"Served speedup: vLLM output tokens/s with the draft / without it, same prompts and server settings, on {eng.get('machine')}."]
     return "\n".join(lines) + "\n"
+
+
+def served_verdict(v: dict[str, Any] | None) -> str:
+    """The engine-vs-ours per-depth verdict (eval/engine.py served_as_trained) in a few words."""
+    if not v or not v.get("decided"):
+        return "not decided" + (f" ({v['why']})" if v and v.get("why") else "")
+    where = f"depth {v['worst_depth']}: {100 * (v['worst_relative_diff'] or 0):+.1f}%"
+    return f"yes (worst {where})" if v["ok"] else f"**NO** ({where}, tolerance {100 * v['tolerance']:.0f}%)"
 
 
 def overall_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

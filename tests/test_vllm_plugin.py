@@ -1,0 +1,62 @@
+"""deepspec's vLLM plugin: vLLM's CPU build expands per-token temperatures into uninitialised memory at T > 0
+(deepspec/vllm_plugin.py); with the plugin, the rejection sampler's expansion is right."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepspec.vllm_plugin import expand_to_tokens
+
+# what vLLM's rejection sampler does with per-request temperatures before verifying drafts at T > 0
+PROBE = """
+import json, torch
+from vllm.platforms import current_platform as p
+p.import_kernels()
+from vllm.plugins import load_general_plugins
+load_general_plugins()          # as vLLM's worker does, just before ...
+p.register_triton_kernel_overrides()   # ... the CPU fallbacks are registered
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+temps = torch.tensor([1.0, 0.7, -1.0])   # -1: a greedy request (vLLM's GREEDY_TEMPERATURE) -> 1
+out = expand_batch_to_tokens(temps, torch.tensor([3, 5, 6], dtype=torch.int32), 6, replace_from=-1, replace_to=1)
+ids = expand_batch_to_tokens(torch.tensor([4, 9, 2]), torch.tensor([3, 5, 6], dtype=torch.int32), 6)
+print(json.dumps({"temperatures": out.tolist(), "ids": ids.tolist()}))
+"""
+
+
+def test_expand_to_tokens_matches_the_kernels_definition():
+    out = torch.full((7,), float("nan"))
+    expand_to_tokens(out, torch.tensor([1.0, 0.7, -1.0]), torch.tensor([3, 5, 6], dtype=torch.int32), -1, 1)
+    assert out[:6].tolist() == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0]) and torch.isnan(out[6])  # beyond cu[-1]: untouched
+    ids = torch.zeros(4, dtype=torch.int64)
+    expand_to_tokens(ids, torch.tensor([5, 0]), torch.tensor([1, 4]), 0, 8)
+    assert ids.tolist() == [5, 8, 8, 8]
+
+
+def _probe(fix: bool) -> dict:
+    env = dict(os.environ, DEEPSPEC_VLLM_CPU_FIX="1" if fix else "0")
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_rejection_sampler_expands_temperatures_with_the_plugin():
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the fix concerns vLLM's CPU build")
+    fixed = _probe(fix=True)
+    assert fixed["temperatures"] == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0])
+    assert fixed["ids"] == [4, 4, 4, 9, 9, 2]  # integer expansion still runs vLLM's own kernel
+    broken = _probe(fix=False)
+    import vllm
+
+    if vllm.__version__ == "0.32.0":  # the release the plugin was written against: without it the values are garbage
+        assert broken["temperatures"] != pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0]), broken
