@@ -3,7 +3,7 @@ build on the same prompts; vLLM accepts their tokens as often as we do at every 
 export of each, served the same way, is caught by the same comparison.
 
 The drafts (EAGLE-3.1 with fc_norm, norm_output and an 8k draft vocabulary; DFlash with a block of 4 and a draft
-vocabulary) are trained by `deepspec run` on the target's own greedy answers to a few prompts until they predict
+vocabulary, with full attention and with a 32-token sliding window shorter than every sequence) are trained by `deepspec run` on the target's own greedy answers to a few prompts until they predict
 most of them. The eval decodes those prompts at T = 0 with our rounds drafting exactly the engine's S tokens, so both
 sides verify the same rounds of the same answers (eval/engine.py `served_as_trained`). EAGLE-3.1 is also served at
 T = 1 under vLLM's default protocol (greedy drafts) and compared with ours under the same protocol: two independent
@@ -36,6 +36,7 @@ PROMPTS = [
 ]
 ANSWER_TOKENS = 64
 S = 3  # EAGLE-3.1 speculative tokens; DFlash serves its block of 4 = 3 drafts too
+WINDOW = 32  # the sliding-window DFlash draft's window
 STEPS = 50  # every step sees all six answers: ~50 epochs, greedy tau ~3.4 (EAGLE-3.1) / ~2.7 (DFlash) in training
 
 
@@ -43,6 +44,7 @@ def _recipe(root: Path, name: str, base: str, model: str, train: str = "") -> Pa
     path = root / f"{name}.yaml"
     path.write_text(f"""_base_: {REPO / base}
 project: conformance
+exp: {name}
 target: {{dtype: float32}}   # one arithmetic on both sides (a bf16 CPU would round each side its own way)
 data:
   prompts: {{sources: [{{source: {root / 'prompts.jsonl'}}}], max_samples: {len(PROMPTS)}, heldout: 0}}
@@ -67,18 +69,27 @@ eval:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    """{algorithm: checkpoint} of both drafts."""
+    """{draft: checkpoint} of the three drafts (one `deepspec run`: shared prompts, answers and cache)."""
     pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("served")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     eagle = _recipe(root, "eagle3", "config/quickstart/eagle3.yaml", "fc_norm: true, norm_output: true",
                     ", optimizer: adamw, lr: 3.0e-3")
     dflash = _recipe(root, "dflash", "config/quickstart/dflash.yaml", "draft_vocab_size: 8192")
-    cmd = [sys.executable, "-m", "deepspec.cli", "run", str(eagle), str(dflash), "--stages", "prompts", "regenerate", "cache",
-           "train", "--opts", f"output_root={root / 'outputs'}", f"train.output_root={root / 'checkpoints'}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
+    # a window shorter than every sequence (chat prompt + answer ~100 tokens): vLLM must apply it as we trained it
+    sliding = _recipe(root, "dflash-sliding", "config/quickstart/dflash.yaml",
+                      f"draft_vocab_size: 8192, layer_types: [sliding_attention], sliding_window: {WINDOW}")
+    recipes = [str(eagle), str(dflash), str(sliding)]
+    cmd = [sys.executable, "-m", "deepspec.cli", "run", *recipes, "--stages", "prompts", "regenerate", "cache", "train",
+           "--opts", f"output_root={root / 'outputs'}", f"train.output_root={root / 'checkpoints'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {algo: root / "checkpoints" / "conformance" / algo / f"step_{STEPS}" for algo in ("eagle3", "dflash")}
+    from deepspec.data.cache.reader import CacheDataset
+
+    cache = CacheDataset(root / "outputs" / "conformance" / "cache" / "train")
+    lengths = [len(cache[i]["input_ids"]) for i in range(len(cache))]
+    assert len(lengths) == len(PROMPTS) and min(lengths) > WINDOW + 8, lengths  # the window bites on every sequence
+    return {name: root / "checkpoints" / "conformance" / name / f"step_{STEPS}" for name in ("eagle3", "dflash", "dflash-sliding")}
 
 
 def _eval(ckpt: Path, out: Path, *opts: str) -> dict:
@@ -134,23 +145,26 @@ def _wrong_mask(cfg):
 
 
 # one per algorithm here (each costs a vLLM start); `deepspec check` (tests/test_check.py) covers the full list in-process
-BROKEN = {"eagle3": [("aux ids + 1", _aux_plus_one)], "dflash": [("wrong mask token", _wrong_mask)]}
+BROKEN = {"eagle3": [("aux ids + 1", _aux_plus_one)], "dflash": [("wrong mask token", _wrong_mask)], "dflash-sliding": []}
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
-def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained, smollm2_dir, tmp_path, algorithm):
+@pytest.mark.parametrize("draft", ["eagle3", "dflash", "dflash-sliding"])
+def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained, smollm2_dir, tmp_path, draft):
     from deepspec.eval.engine import SERVED_TOLERANCE, VLLM_METHODS
     from deepspec.export.writers import export_draft
     from deepspec.serving import VLLMServer
 
-    ckpt = trained[algorithm]
+    algorithm = draft.split("-")[0]
+    ckpt = trained[draft]
     export = export_draft(ckpt, tmp_path / "export", "vllm", target=str(smollm2_dir))
     cfg = json.loads((export / "config.json").read_text())
     if algorithm == "eagle3":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["fc_norm"] and cfg["norm_output"]
     else:  # vLLM drafts k + 1 = block_size slots; the draft vocabulary as DFlashQwen3ForCausalLM reads it
         assert cfg["deepspec"]["num_speculative_tokens"] == S and cfg["draft_vocab_size"] == 8192
+    if draft == "dflash-sliding":
+        assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == WINDOW
     spec = {"method": VLLM_METHODS[algorithm], "model": str(export), "num_speculative_tokens": S, "draft_sample_method": "greedy"}
     with VLLMServer(smollm2_dir, speculative_config=spec, dtype="float32", max_model_len=1024, log_path=tmp_path / "vllm.log") as server:
         greedy = _eval(ckpt, tmp_path / "t0", f"eval.engine_url={server.url}")
@@ -160,7 +174,7 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
                             "eval.draft_sample_method=greedy", "eval.max_new_tokens=96")
 
     (cell,) = greedy["engine"]["tasks"].values()
-    print(algorithm, "T=0:", _depths(cell), "| rounds", cell["engine_drafts"], greedy["overall"]["rounds"])
+    print(draft, "T=0:", _depths(cell), "| rounds", cell["engine_drafts"], greedy["overall"]["rounds"])
     assert cell["ours_survival"][0] > 0.5 and cell["ours_survival"][S - 1] > 0.2, cell  # real acceptance at every depth
     assert cell["served_as_trained"]["decided"] and cell["served_as_trained"]["ok"], _depths(cell)
     for e, o in zip(cell["engine_survival"], cell["ours_survival"]):
@@ -170,7 +184,7 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
     if sampled is not None:
         (c1,) = sampled["engine"]["tasks"].values()
         se = math.hypot(_tau_se(c1["engine_survival"], c1["engine_drafts"]), _tau_se(c1["ours_survival"], sampled["overall"]["rounds"]))
-        print(algorithm, f"T=1 greedy drafts: vLLM tau {c1['engine_tau']:.3f}, ours {c1['ours_tau_at_S']:.3f} "
+        print(draft, f"T=1 greedy drafts: vLLM tau {c1['engine_tau']:.3f}, ours {c1['ours_tau_at_S']:.3f} "
               f"({100 * c1['relative_diff']:+.1f}%, standard error of the difference {100 * se / c1['ours_tau_at_S']:.1f}%)", _depths(c1))
         assert c1["same_protocol"] and not c1["served_as_trained"]["decided"]
         assert sampled["engine"]["seeded"] is False  # vLLM's CPU build: a per-request seed would kill its worker
@@ -180,10 +194,10 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
         assert abs(c1["relative_diff"]) < 0.10, c1
         assert "greedy drafts, T=1 on both sides" in (tmp_path / "t1" / "results.md").read_text()
 
-    for name, edit in BROKEN[algorithm]:
+    for name, edit in BROKEN[draft]:
         broken = _edit_export(export, tmp_path / name.replace(" ", "-"), edit)
         eng = _engine_only(ckpt, broken, greedy, tmp_path / f"{name.replace(' ', '-')}-eval")
         (bad,) = eng["tasks"].values()
-        print(algorithm, name, _depths(bad))
+        print(draft, name, _depths(bad))
         verdict = bad["served_as_trained"]
         assert verdict["decided"] and not verdict["ok"], (name, _depths(bad))
