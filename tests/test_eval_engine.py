@@ -46,3 +46,49 @@ def test_served_as_trained_is_decided_per_depth_only_on_aligned_greedy_rounds():
         v = served_as_trained(far, **kw)
         assert not v["decided"] and v["why"]
     assert not served_as_trained({"survival_relative_diff": None}, greedy=True, aligned=True)["decided"]  # other protocols
+
+
+def test_dflash_is_served_and_compared_at_its_training_block():
+    """vLLM's DFlash drafts num_speculative_tokens + 1 slots and never reads block_size: S must be block_size - 1."""
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.engine import engine_speculative_tokens
+
+    dflash = {"algorithm": "dflash", "model": {"block_size": 8}}
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7"]), dflash) == 7
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=7"]), dflash) == 7
+    with pytest.raises(ConfigError, match="block_size=8"):
+        engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=3"]), dflash)
+    with pytest.raises(ConfigError, match="num_draft_tokens >= 7"):
+        engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=5"]), dflash)
+    eagle = {"algorithm": "eagle3", "model": {"ttt_length": 7}}
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=7", "eval.engine_num_speculative_tokens=3"]), eagle) == 3
+    assert engine_speculative_tokens(load_config(None, ["eval.num_draft_tokens=5"]), eagle) == 5
+
+
+def test_served_speedup_arithmetic():
+    from deepspec.eval.engine import speedups
+
+    spec = {"gsm8k": {"single": {"tokens": 100, "seconds": 2.0, "tokens_per_s": 50.0}, "concurrent": {"tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0}},
+            "mtbench": {"single": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 50, "seconds": 1.0, "tokens_per_s": 50.0}}}
+    base = {"gsm8k": {"single": {"tokens": 100, "seconds": 4.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0}},
+            "mtbench": {"single": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}, "concurrent": {"tokens": 50, "seconds": 2.0, "tokens_per_s": 25.0}}}
+    sp = speedups(spec, base)
+    assert sp["gsm8k"]["single"]["speedup"] == pytest.approx(2.0) and sp["gsm8k"]["concurrent"]["speedup"] == pytest.approx(1.0)
+    assert sp["overall"]["single"]["spec_tokens_per_s"] == pytest.approx(150 / 4) and sp["overall"]["single"]["baseline_tokens_per_s"] == pytest.approx(150 / 6)
+    assert sp["overall"]["concurrent"]["speedup"] == pytest.approx((150 / 2) / (150 / 3))
+
+
+def test_served_speedup_prompt_selection():
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.engine import speedup_tasks
+
+    by_task = {"heldout": list(range(30)), "gsm8k": list(range(4))}
+    cfg = load_config(None, ["eval.engine_speedup_tasks=[heldout]", "eval.engine_speedup_max_samples=16"])
+    assert speedup_tasks(cfg, by_task) == {"heldout": list(range(16))}
+    assert speedup_tasks(load_config(None, ["eval.engine_speedup_max_samples=2"]), by_task) == {"heldout": [0, 1], "gsm8k": [0, 1]}
+    with pytest.raises(ConfigError, match="not eval tasks"):
+        speedup_tasks(load_config(None, ["eval.engine_speedup_tasks=[mbpp]"]), by_task)
+    with pytest.raises(ConfigError, match="engine_speedup_max_samples"):
+        load_config(None, ["eval.engine_speedup_max_samples=0"])
