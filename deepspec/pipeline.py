@@ -215,8 +215,9 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
 
 def _protocol(res: dict[str, Any]) -> str:
     """The draft-sampling protocol an eval's figures were measured under (the engine's too: it is started with it)."""
-    meta = res.get("meta") or {}
-    return meta.get("protocol") or (f"T={meta['temperature']}" if "temperature" in meta else "–")
+    from deepspec.eval.report import results_protocol
+
+    return results_protocol(res.get("meta") or {})
 
 
 def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:

@@ -126,6 +126,18 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_protocol(meta: dict[str, Any], missing: str = "–") -> str:
+    """The draft-sampling protocol a results.json's figures were decoded under: its own record, or for results written
+    before it was recorded, the name eval/sampling.py gives their temperature and draft_sample_method."""
+    if meta.get("protocol"):
+        return str(meta["protocol"])
+    if meta.get("temperature") is None:
+        return missing
+    from deepspec.eval.sampling import protocol_name
+
+    return protocol_name(float(meta["temperature"]), str(meta.get("draft_sample_method") or "probabilistic"))
+
+
 def served_verdict(v: dict[str, Any] | None) -> str:
     """The engine-vs-ours per-depth verdict (eval/engine.py served_as_trained) in a few words."""
     if not v or not v.get("decided"):

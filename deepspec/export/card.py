@@ -118,10 +118,12 @@ def _acceptance(results: dict[str, Any] | None) -> list[str]:
     if not results:
         return [f"Held-out acceptance: {NOT_MEASURED} (no eval results.json for this checkpoint; run `deepspec eval` first)."]
     meta = results.get("meta", {})
+    from deepspec.eval.report import results_protocol
+
     depth = max((len(t.get("acc_cond") or []) for t in results.get("tasks", {}).values()), default=0)
     head = "| split | samples | acc0 | " + " | ".join(f"α{k}" for k in range(1, depth + 1)) + " | E[A]@S3 | E[A]@S7 | τ@3 | τ (chain of S) | speedup (HF loop) |"
     lines = [
-        f"Speculative decoding with our own loop at temperature {meta.get('temperature')} ({_protocol(meta)}), "
+        f"Speculative decoding with our own loop at temperature {meta.get('temperature')} ({results_protocol(meta, NOT_MEASURED)}), "
         f"{meta.get('num_draft_tokens')} draft tokens per round, answers up to {meta.get('max_new_tokens')} tokens. αk is the "
         "conditional acceptance at depth k; τ includes the bonus token.",
         "", head, "|" + "---|" * (head.count("|") - 1),
@@ -143,9 +145,9 @@ def _served(results: dict[str, Any] | None) -> list[str]:
     s = eng.get("num_speculative_tokens")
     machine = eng.get("machine") or ", ".join(sorted(set(map(str, (results.get("meta") or {}).get("devices") or [])))) or NOT_MEASURED
     version = f" {eng['engine_version']}" if eng.get("engine_version") else ""
-    from deepspec.eval.report import served_verdict
+    from deepspec.eval.report import results_protocol, served_verdict
 
-    proto = eng.get("protocol") or _protocol((results or {}).get("meta") or {})
+    proto = eng.get("protocol") or results_protocol((results or {}).get("meta") or {}, NOT_MEASURED)
     lines = [f"vLLM{version} with {s} speculative tokens per round on {machine}, {proto} on both sides.", "",
              "| split | vLLM mean acceptance length | ours τ@S | served as trained (per depth, T = 0) | tok/s alone (1 request) | "
              "speedup (1 request) | speedup (16 concurrent) |",
@@ -158,16 +160,6 @@ def _served(results: dict[str, Any] | None) -> list[str]:
                      f"{_fmt(one.get('baseline_tokens_per_s'), 1)} | "
                      f"{_x(one.get('speedup'))} | {_x(batch.get('speedup'))} |")
     return lines
-
-
-def _protocol(meta: dict[str, Any]) -> str:
-    """How the figures were decoded (eval/sampling.py protocol_name), from results.json meta."""
-    if meta.get("protocol"):
-        return str(meta["protocol"])
-    from deepspec.eval.sampling import protocol_name
-
-    t = meta.get("temperature")
-    return protocol_name(float(t), str(meta.get("draft_sample_method") or "probabilistic")) if t is not None else NOT_MEASURED
 
 
 def _x(v: Any) -> str:
