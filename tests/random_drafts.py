@@ -1,8 +1,11 @@
 """A saved draft checkpoint for a tiny target with every tensor perturbed, norms included, so an export that swaps,
-skips or mis-scales a tensor shows in an engine's forward (shared by the SGLang export and `deepspec check` tests)."""
+skips or mis-scales a tensor shows in an engine's forward (shared by the SGLang export and `deepspec check` tests);
+and deliberately broken copies of an export (the `deepspec check` and vLLM conformance tests)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -28,3 +31,19 @@ def random_draft_checkpoint(out: Path, family: str, algorithm: str, **fields):
             p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
     prov = {"target": f"tiny-{family}", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
     return draft, save_draft(draft, out, prov)
+
+
+def edit_export(src: Path, dst: Path, cfg_fn=None, tensors_fn=None) -> Path:
+    """A copy of the export `src` at `dst` with its config.json edited by `cfg_fn` and its tensors by `tensors_fn`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if cfg_fn:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg_fn(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors_fn:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors_fn(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

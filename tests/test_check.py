@@ -5,14 +5,13 @@ with the cause named. All exports go through one SGLang process (export/check.py
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from deepspec.export.writers import export_draft
-from random_drafts import random_draft_checkpoint
+from random_drafts import edit_export, random_draft_checkpoint
 
 
 
@@ -28,21 +27,6 @@ GOOD = {
     "eagle3": ("qwen3", "eagle3", dict(fc_norm=False, norm_output=False, qk_norm=False)),
     "dflash": ("qwen3", "dflash", dict(num_draft_layers=2, mask_token_id=259)),
 }
-
-
-def _edit(src: Path, dst: Path, cfg_fn=None, tensors_fn=None) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if cfg_fn:
-        cfg = json.loads((dst / "config.json").read_text())
-        cfg_fn(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if tensors_fn:
-        t = load_file(str(dst / "model.safetensors"))
-        tensors_fn(t)
-        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def _drop_fc_norm(cfg):
@@ -98,7 +82,7 @@ def reports(sglang_side, tmp_path_factory):
         ckpt = _ckpt(root / case, family, algorithm, **fields)
         exports[case] = export_draft(ckpt, root / case / "sglang", "sglang", dtype="bfloat16" if case == "eagle31" else "float32")
     for case, (base, cfg_fn, t_fn, _, _) in BROKEN.items():
-        exports[case] = _edit(exports[base], root / case.replace(" ", "_"), cfg_fn, t_fn)
+        exports[case] = edit_export(exports[base], root / case.replace(" ", "_"), cfg_fn, t_fn)
     out = check_exports(list(exports.values()), ("sglang",))
     return dict(zip(exports, out)), exports
 

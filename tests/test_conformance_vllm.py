@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from random_drafts import edit_export
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[1]
@@ -126,14 +126,6 @@ def _tau_se(survival: list[float], rounds: float) -> float:
     return math.sqrt(max(second - mean * mean, 0.0) / max(rounds, 1.0))
 
 
-def _edit_export(src: Path, dst: Path, cfg_fn) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg_fn(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def _aux_plus_one(cfg):  # the tap bug: every aux layer one too deep
     cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
 
@@ -196,7 +188,7 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
         assert "greedy drafts, T=1 on both sides" in (tmp_path / "t1" / "results.md").read_text()
 
     for name, edit in BROKEN[draft]:
-        broken = _edit_export(export, tmp_path / name.replace(" ", "-"), edit)
+        broken = edit_export(export, tmp_path / name.replace(" ", "-"), edit)
         eng = _engine_only(ckpt, broken, greedy, tmp_path / f"{name.replace(' ', '-')}-eval")
         (bad,) = eng["tasks"].values()
         print(draft, name, _depths(bad))
