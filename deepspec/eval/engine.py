@@ -267,16 +267,17 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     from deepspec.targets import load_tokenizer, resolve_target_path
 
     from deepspec.eval.runner import protocol
+    from deepspec.eval.sampling import is_greedy
 
     algo = meta.get("algorithm")
     s = engine_speculative_tokens(cfg, meta)
     seeded = engine_seeded()
     proto = protocol(cfg)
-    greedy, aligned = cfg.eval.temperature == 0, cfg.eval.num_draft_tokens == s
+    greedy, aligned = is_greedy(cfg.eval.temperature), cfg.eval.num_draft_tokens == s
     if greedy and not aligned:
         log.info("ours drafts %d tokens per round, the engine %d: per-depth acceptance is compared on different rounds "
                  "(set eval.num_draft_tokens=%d for a round-by-round comparison)", cfg.eval.num_draft_tokens, s, s)
-    if cfg.eval.temperature != 0:
+    if not greedy:
         log.warning("engine-backed eval at T=%g (%s on both sides): engine and ours are both samples, expect statistical "
                     "differences%s", cfg.eval.temperature, proto,
                     "" if seeded else "; the engine run is unseeded (vLLM's CPU build cannot honour a per-request seed)")
