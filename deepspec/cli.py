@@ -19,6 +19,7 @@ STAGES: list[tuple[tuple[str, ...], str, str]] = [
     (("data", "prompts"), "deepspec.data.prompts_cli", "collect prompts into conversations.jsonl + a held-out split"),
     (("data", "regenerate"), "deepspec.data.regenerate_cli", "have the target re-answer the prompts (vLLM / OpenAI servers / HF)"),
     (("data", "cache"), "deepspec.data.cache.cli", "cache the target's hidden states for offline training"),
+    (("data", "stream"), "deepspec.data.cache.stream_cli", "feed a streamed run (cache.mode=stream): the target's hidden states through a bounded spool"),
     (("train",), "deepspec.train.cli", "train a draft model (one process; use scripts/train/train.sh for many workers)"),
     (("eval",), "deepspec.eval.cli", "speculative decoding on benchmarks: tau, per-depth acceptance, speedup"),
     (("export",), "deepspec.export.cli", "write a draft checkpoint that vLLM / SGLang serve unchanged"),
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         if len(words) == 2:
             if words[0] not in groups:
-                group_parser = top.add_parser(words[0], help="data stages: data prompts | data regenerate | data cache")
+                group_parser = top.add_parser(words[0], help="data stages: data prompts | data regenerate | data cache | data stream")
                 groups[words[0]] = group_parser.add_subparsers(dest="subcommand", metavar="STAGE")
             sub = groups[words[0]].add_parser(words[1], help=help_text, description=help_text)
         else:

@@ -94,9 +94,11 @@ def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
     from deepspec.data.cache.reader import expected_provenance
     from deepspec.data.cache.writer import build_caches
 
-    splits = [("train", cfg.cache_train_dir)]
+    splits = [("train", cfg.cache_train_dir)] if cfg.cache.mode == "offline" else []  # streamed runs cache no training data
     if cfg.regenerated_heldout_path.is_file():
         splits.append(("heldout", cfg.cache_heldout_dir))
+    if not splits:
+        return True, {"mode": cfg.cache.mode, "held-out": "none"}
     skipped = all(is_complete(d) for _, d in splits)
     build_caches(cfg, [split for split, d in splits if not is_complete(d)], nproc=cfg.cache.num_workers)
     for split, d in splits:
@@ -104,9 +106,10 @@ def stage_cache(cfg) -> tuple[bool, dict[str, Any]]:
             # A finished cache of the project is reused only if this recipe could train on it (two recipes of one
             # project with other taps or stream reduction need their own cache.dir): refuse now, not after training starts.
             check_manifest(load_manifest(d), expected_provenance(cfg))
-    manifest = load_manifest(cfg.cache_train_dir)
+    manifest = load_manifest(splits[0][1])
     counts = manifest.get("counts", {})
-    return skipped, {"dir": str(cfg.cache_dir), "dtype": cfg.cache.dtype, **{k: v for k, v in counts.items() if isinstance(v, (int, float))}}
+    return skipped, {"dir": str(cfg.cache_dir), "dtype": cfg.cache.dtype, "mode": cfg.cache.mode, "split": splits[0][0],
+                     **{k: v for k, v in counts.items() if isinstance(v, (int, float))}}
 
 
 def stage_train(cfg, nproc: int) -> tuple[bool, dict[str, Any]]:
@@ -316,7 +319,7 @@ def run(config_paths: list[str], opts: list[str] | None = None, *, stages: tuple
                 _timed(rec.stages, "prompts", lambda: stage_prompts(cfg))
             if "regenerate" in stages:
                 _timed(rec.stages, "regenerate", lambda: stage_regenerate(cfg))
-            if "cache" in stages and cfg.cache.mode == "offline":
+            if "cache" in stages and cfg.cache.mode != "online":
                 _timed(rec.stages, "cache", lambda: stage_cache(cfg))
             done_data.add(key)
         if "train" in stages:

@@ -99,8 +99,9 @@ class DataConfig:
 
 @dataclass
 class CacheConfig:
-    # `offline`: hidden states are cached on disk; `online`: the trainer runs the target itself.
-    mode: Literal["offline", "online"] = "offline"
+    # `offline`: hidden states are cached on disk; `online`: the trainer runs the target itself; `stream`: producers
+    # (`deepspec data stream`, HF or vLLM) write the samples the trainer reads next into a bounded spool (docs/data.md).
+    mode: Literal["offline", "online", "stream"] = "offline"
     dir: str = ""  # empty = <output_root>/<project>/cache
     # Storage dtype of cached features: bf16, or fp8 e4m3 with a per-token-per-layer scale
     # (about half the bytes); fp32 is exact and meant for golden tests.
@@ -117,9 +118,24 @@ class CacheConfig:
     # A build stops before loading the target when what it still has to write exceeds this many GB (10^9 bytes)
     # or the free disk of cache.dir; null = only the free disk.
     max_gb: float | None = None
+    # Streamed runs. The spool folder (local disk, or a filesystem every node mounts); empty = <cache.dir>/spool/<run name>.
+    spool_dir: str = ""
+    # The most the spool holds, in GB (10^9 bytes), shared evenly by the producers.
+    spool_gb: float = 64.0
+    # How many training steps ahead of the slowest trainer rank the producers make samples.
+    stream_ahead: int = 8
+    # Producers the trainer starts on its own machine (0: you start `deepspec data stream` yourself, e.g. on other nodes).
+    stream_producers: int = 1
+    # A trainer rank that waits this long for one sample stops with a sentence naming the producers.
+    stream_timeout_s: float = 1800.0
 
     def validate(self) -> None:
         if self.max_length < 8:
             raise ConfigError(f"cache.max_length={self.max_length} is too small; use at least 8 tokens.")
+        if self.spool_gb <= 0 or self.stream_ahead < 1 or self.stream_producers < 0 or self.stream_timeout_s <= 0:
+            raise ConfigError(
+                f"cache.spool_gb={self.spool_gb}, cache.stream_ahead={self.stream_ahead}, cache.stream_producers="
+                f"{self.stream_producers} and cache.stream_timeout_s={self.stream_timeout_s} must be positive (producers may be 0)."
+            )
         if self.max_gb is not None and self.max_gb <= 0:
             raise ConfigError(f"cache.max_gb={self.max_gb} must be positive (or null for no limit but the free disk).")

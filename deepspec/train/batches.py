@@ -62,12 +62,17 @@ class BatchPlan:
         perm = torch.randperm(self.num_samples, generator=g)
         return perm[within * self.global_batch : (within + 1) * self.global_batch].tolist()
 
-    def micro_batches(self, step: int, rank: int, lengths: Sequence[int] | None) -> list[list[int]]:
-        """This worker's accumulation micro-batches (lists of sample indices) for `step`."""
+    def read_order(self, step: int, lengths: Sequence[int] | None) -> list[int]:
+        """The global batch of `step` in the order the workers read it: worker r reads positions r, r + world, ...
+        one after the other (so this is also the order in which a streamed run's producers make it)."""
         idx = self.global_indices(step)
         if self.bucketing == "length" and lengths is not None:
             idx = sorted(idx, key=lambda i: (lengths[i], i))
-        mine = idx[rank :: self.world]
+        return idx
+
+    def micro_batches(self, step: int, rank: int, lengths: Sequence[int] | None) -> list[list[int]]:
+        """This worker's accumulation micro-batches (lists of sample indices) for `step`."""
+        mine = self.read_order(step, lengths)[rank :: self.world]
         return [mine[i : i + self.micro_batch] for i in range(0, len(mine), self.micro_batch)]
 
 

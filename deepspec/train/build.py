@@ -81,7 +81,12 @@ def build_parts(cfg, info):
         target_config = target.config
         embed, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     else:
-        train_data, val_data = open_cache_datasets(cfg)
+        if cfg.cache.mode == "stream":
+            from deepspec.data.cache.stream import open_stream_datasets
+
+            train_data, val_data = open_stream_datasets(cfg, info)
+        else:
+            train_data, val_data = open_cache_datasets(cfg)
         target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
         target_config = getattr(target_config, "text_config", None) or target_config
         embed, head = load_target_head(path, target_config)

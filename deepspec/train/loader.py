@@ -87,7 +87,11 @@ class ProcessLoader:
 def build_loader(dataset: Any, collate: Callable[..., DraftBatch], schedule: Schedule, *, depth: int,
                  processes: int, pin: bool, packed: bool = False) -> Prefetcher | ProcessLoader:
     """The loader for one rank. `collate(items, pin=...)` builds a batch; with `pin` (a CUDA device) it is
-    page-locked once — by the collate itself in a thread, by DataLoader's pin thread after worker processes."""
+    page-locked once — by the collate itself in a thread, by DataLoader's pin thread after worker processes.
+    A dataset that needs to know what is read when (the spool of a streamed run) sees the schedule first."""
+    follow = getattr(dataset, "follow", None)
+    if follow is not None:
+        schedule = follow(schedule)
     if processes > 0:
         return ProcessLoader(dataset, collate, schedule, processes=processes, depth=depth, pin=pin)
     if pin:

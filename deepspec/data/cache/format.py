@@ -174,6 +174,26 @@ def record_views(buf, offset: int, length: int, n_layers: int, hidden: int, dtyp
     return view("input_ids", torch.int32, (length,)), view("loss_mask", torch.uint8, (length,)), feats, scales
 
 
+def record_item(buf, offset: int, length: int, n_taps: int, rows: int, hidden: int, dtype: str) -> dict[str, Any]:
+    """A cache record as the trainer's item: input_ids [T] int64, loss_mask [T] bool, taps [T, n_taps, rows*H] and
+    final_hidden [T, H] as views in the storage dtype (+ fp8 scales) — the layout of CacheDataset items."""
+    import torch
+
+    n_layers = n_taps * rows + 1
+    ids, mask, feats, scales = record_views(buf, offset, length, n_layers, hidden, dtype)
+    n = n_taps * rows
+    item = {
+        "input_ids": ids.to(torch.int64),
+        "loss_mask": mask.to(torch.bool),
+        "taps": feats[:, :n].reshape(length, n_taps, rows * hidden),
+        "final_hidden": feats[:, n],
+    }
+    if scales is not None:
+        item["taps_scale"] = scales[:, :n].reshape(length, n_taps, rows)
+        item["final_scale"] = scales[:, n]
+    return item
+
+
 def decode_record(buf, length: int, n_layers: int, hidden: int, dtype: str):
     """Bytes of one record -> (input_ids int64 [T], loss_mask bool [T], features float32 [T, L, H])."""
     import torch

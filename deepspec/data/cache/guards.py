@@ -63,7 +63,8 @@ def check_size(directory: Path, plan, cfg) -> int:
         f"The {split} cache needs {_gb(todo)}{' more' if todo != est['bytes'] else ''} ({est['samples']:,} samples, {est['tokens']:,} tokens, "
         f"{est['bytes_per_token']:,.0f} bytes/token in {plan.dtype}) but {' and '.join(over)}, so it stopped before loading the target; "
         f"{fp8}cache fewer or shorter samples (data.prompts.max_samples, cache.max_length), point cache.dir at a larger disk, "
-        "or train co-located with cache.mode=online, which runs the target in the trainer and never stores features."
+        "or store no cache at all: stream it (cache.mode=stream: producers feed the trainer through a spool capped by cache.spool_gb) "
+        "or train co-located (cache.mode=online: the trainer runs the target)."
     )
 
 

@@ -146,23 +146,10 @@ class CacheDataset:
         taps / final_hidden are zero-copy views in the cache's dtype (bf16, fp32, or fp8 with per-row
         scales `taps_scale` [T, n_taps, rows] and `final_scale` [T]); `DraftBatch.to(device, dtype)`
         widens them where the batch is used. `widen(item)` gives float32 copies for inspection."""
-        import torch
-
         m, off, nbytes, length = self._record(i)
         if self.verify:
             self.check(i)
-        ids, mask, feats, scales = fmt.record_views(m, off, length, self._n_layers, self.hidden_size, self.dtype)
-        n = len(self.taps) * self._rows
-        item = {
-            "input_ids": ids.to(torch.int64),
-            "loss_mask": mask.to(torch.bool),
-            "taps": feats[:, :n].reshape(length, len(self.taps), self.tap_width),
-            "final_hidden": feats[:, n],
-        }
-        if scales is not None:
-            item["taps_scale"] = scales[:, :n].reshape(length, len(self.taps), self._rows)
-            item["final_scale"] = scales[:, n]
-        return item
+        return fmt.record_item(m, off, length, len(self.taps), self._rows, self.hidden_size, self.dtype)
 
 
 def _release(f, m) -> None:

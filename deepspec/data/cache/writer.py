@@ -68,6 +68,7 @@ class Plan:
     vocab_size: int
     dtype: str
     meta: dict[str, Any] = field(default_factory=dict)
+    token_counts: np.ndarray | None = None  # loss-masked [V] counts, when asked for (streamed runs: no shard counts them)
 
     def shard_bytes(self, s: int) -> int:
         a, b = self.shards[s]
@@ -147,8 +148,9 @@ def tap_rows(cfg, target_config) -> tuple[int, str, int]:
     return hc_mult, reduction, tap_width(target_config.hidden_size, hc_mult, reduction) // target_config.hidden_size
 
 
-def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
-    """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes."""
+def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool = False) -> Plan:
+    """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes.
+    `count_tokens`: also count the loss-masked tokens (what the shards count when a cache is built)."""
     from deepspec.targets import template_hash
 
     src, _ = split_paths(cfg, split)
@@ -161,6 +163,8 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
     n_layers = len(taps) * rows + 1
     samples: list[Sample] = []
     counts = dict(input=0, dropped_short=0, truncated=0, samples=0, tokens=0, loss_tokens=0)
+    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
+    token_counts = np.zeros(max(vocab, 1), dtype=np.int64) if count_tokens else None
     for offset, sid, messages in progress(iter_records(Path(src)), desc=f"tokenize {split}", unit="conv"):
         counts["input"] += 1
         r = render_conversation(tokenizer, messages, cfg.target.chat_template_kwargs, cc.max_length)
@@ -173,6 +177,11 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         counts["samples"] += 1
         counts["tokens"] += len(r.input_ids)
         counts["loss_tokens"] += n_loss
+        if token_counts is not None:
+            lm = np.asarray(r.input_ids, dtype=np.int64)[np.asarray(r.loss_mask, dtype=bool)]
+            if len(lm) and lm.max() >= len(token_counts):
+                token_counts = np.pad(token_counts, (0, int(lm.max()) + 1 - len(token_counts)))
+            np.add.at(token_counts, lm, 1)
     if not samples:
         raise DataError(
             f"No sample in {src} has >= cache.min_loss_tokens={cc.min_loss_tokens} assistant tokens "
@@ -207,9 +216,8 @@ def make_plan(cfg, split: str, tokenizer, target_config) -> Plan:
         "capture_backend": cc.capture_backend,
         "data_hash": file_hash(Path(src)),
     }
-    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
     meta = {"data_path": str(src), "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}), "max_length": cc.max_length}
-    return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta=meta)
+    return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta=meta, token_counts=token_counts)
 
 
 def materialize(plan: Plan, samples: list[Sample], tokenizer) -> list[Sample]:
@@ -373,6 +381,16 @@ class Stored:
     ready: Any = None
 
 
+def encode_sample(sample: Sample, feats, dtype: str) -> bytes:
+    """One captured sample's record: features already in the storage dtype (`Stored`, the HF backend) or float
+    tensors on the host (the vLLM backend)."""
+    if isinstance(feats, Stored):
+        if feats.ready is not None:
+            feats.ready.synchronize()
+        return fmt.encode_stored(sample.input_ids, sample.loss_mask, feats.features, feats.scales, dtype)
+    return fmt.encode_record(sample.input_ids, sample.loss_mask, feats, dtype)
+
+
 class _RecordWriter:
     """Encodes, checksums (crc32) and appends the records of whole batches in a thread, in the order they were put.
 
@@ -418,12 +436,7 @@ class _RecordWriter:
             self.error = e
 
     def _write(self, sample: Sample, feats) -> None:
-        if isinstance(feats, Stored):
-            if feats.ready is not None:
-                feats.ready.synchronize()
-            data = fmt.encode_stored(sample.input_ids, sample.loss_mask, feats.features, feats.scales, self.dtype)
-        else:  # float features on the host (the vLLM backend)
-            data = fmt.encode_record(sample.input_ids, sample.loss_mask, feats, self.dtype)
+        data = encode_sample(sample, feats, self.dtype)
         self.f.write(data)
         n_loss = int(sample.loss_mask.sum())
         self.rows[self.row_of[id(sample)]] = (self.shard, self.offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss,

@@ -1,0 +1,315 @@
+"""The spool of streamed training (`cache.mode: stream`): a bounded folder of one-sample records between capture
+producers (`deepspec data stream`) and the trainers, so a run needs no cache the size of its data.
+
+Layout of a spool folder (local disk, or a filesystem every node mounts):
+
+* ``plan.json`` — written by the trainer (rank 0) when it starts: the sample plan's signature (target, taps, stream
+  reduction, dtype, data hash...), the hash of its sample ids and lengths, and the batch plan (seed, global batch,
+  steps). A producer builds the same plan from the same recipe and refuses to produce for another one.
+* ``pos.<rank>`` — each trainer rank's next plan position (position k = step × global batch + place in the step's
+  read order; rank r reads the places r, r + world, ...). Producers make the samples of the next `stream_ahead` steps
+  that some rank has yet to read, in the order they are read; a trainer that resumes from a checkpoint publishes an
+  earlier position, and what it needs again is made again.
+* ``<index>.rec`` — one sample: a short JSON header (its plan index, id, tokens, layers, width, dtype, producer),
+  then the cache's own record encoding (deepspec/data/cache/format.py), read with the cache's own views. Written
+  under a temporary name and renamed when complete, so a killed producer never leaves a record a trainer trusts.
+  The rank that reads a record deletes it.
+* ``producer.<w>.json`` — each producer's heartbeat: what it made, the spool bytes it holds and its peak, how long
+  it waited for the trainer or for room.
+* ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact.
+* ``done.<rank>`` — the rank read its last record; producers exit when every rank is done.
+
+The cap (`cache.spool_gb`) is split evenly between producers and each one counts the records it wrote and its
+record in progress, so the folder never holds more than the cap. When a producer's share is full and the record
+the trainer needs next does not fit, it deletes its records furthest ahead in the plan (they are made again later)
+instead of waiting for a trainer that is waiting for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import zlib
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from deepspec.data.cache import format as fmt
+from deepspec.errors import CacheError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+MAGIC = b"DSSPOOL1"
+PLAN = "plan.json"
+DONE = "done"
+SUFFIX = ".rec"
+_HEADER_ROOM = 512  # the JSON header is padded to this many bytes, so records start aligned
+
+
+def record_path(spool: Path, index: int) -> Path:
+    return spool / f"{index}{SUFFIX}"
+
+
+def record_file_bytes(length: int, n_layers: int, hidden: int, dtype: str) -> int:
+    return len(MAGIC) + _HEADER_ROOM + fmt.record_nbytes(length, n_layers, hidden, dtype)
+
+
+def write_record(spool: Path, index: int, sample_id: str, data: bytes, *, length: int, n_layers: int, hidden: int,
+                 dtype: str, truncated: bool, producer: int) -> int:
+    """Write one encoded record atomically (temporary name, fsync, rename); returns the bytes written."""
+    header = json.dumps({"index": index, "id": sample_id, "length": length, "n_layers": n_layers, "hidden": hidden,
+                         "dtype": dtype, "nbytes": len(data), "crc32": zlib.crc32(data), "truncated": bool(truncated),
+                         "producer": producer}).encode()
+    if len(header) >= _HEADER_ROOM:
+        raise CacheError(f"The spool header of sample {sample_id!r} is {len(header)} bytes (limit {_HEADER_ROOM}); shorten the sample id.")
+    path = record_path(spool, index)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + header.ljust(_HEADER_ROOM, b" ") + data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(MAGIC) + _HEADER_ROOM + len(data)
+
+
+def read_record(path: Path, verify: bool = False) -> tuple[dict[str, Any], bytearray]:
+    """(header, record bytes) of a spool record; raises FileNotFoundError while it is not there."""
+    with open(path, "rb") as f:
+        blob = bytearray(f.read())
+    if blob[: len(MAGIC)] != MAGIC or len(blob) < len(MAGIC) + _HEADER_ROOM:
+        raise CacheError(f"{path} is not a deepspec spool record; remove it (the producer makes it again).")
+    header = json.loads(bytes(blob[len(MAGIC) : len(MAGIC) + _HEADER_ROOM]).decode())
+    data = blob[len(MAGIC) + _HEADER_ROOM :]
+    if len(data) != header["nbytes"]:
+        raise CacheError(f"{path} holds {len(data)} record bytes, its header says {header['nbytes']}; remove it (it is made again).")
+    if verify and zlib.crc32(data) != header["crc32"]:
+        raise CacheError(f"{path} fails its checksum; remove it (it is made again).")
+    return header, data
+
+
+def plan_hash(plan) -> str:
+    """Identifies a sample plan: its ids and lengths in order (the signature says how they were made)."""
+    h = hashlib.sha256()
+    for s in plan.samples:
+        h.update(f"{s.id}\t{s.length}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def plan_document(plan, *, seed: int, global_batch: int, total_steps: int, bucketing: str) -> dict[str, Any]:
+    return {"signature": plan.signature, "samples": len(plan.samples), "samples_hash": plan_hash(plan), "seed": seed,
+            "global_batch": global_batch, "total_steps": total_steps, "bucketing": bucketing, "host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.time()}
+
+
+def check_plan(doc: dict[str, Any], plan, spool: Path) -> None:
+    """Refuse to produce for a trainer whose samples or features differ from this producer's recipe."""
+    mine = plan.signature
+    diff = [k for k in sorted(set(mine) | set(doc["signature"])) if mine.get(k) != doc["signature"].get(k)]
+    if diff:
+        k = diff[0]
+        raise CacheError(f"The trainer of {spool} planned {k}={doc['signature'].get(k)!r} but this producer's recipe gives "
+                         f"{mine.get(k)!r}; start the producer with the trainer's recipe and --opts.")
+    if doc["samples_hash"] != plan_hash(plan):
+        raise CacheError(f"The trainer of {spool} plans other samples than this producer ({doc['samples']} vs {len(plan.samples)}); "
+                         "the regenerated data changed — give both the same data.")
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def trainer_cursors(spool: Path, world: int) -> list[int] | None:
+    """Each trainer rank's next plan position (None until every rank has said): rank r reads the positions k with
+    k % global_batch % world == r, and has consumed its ones before its cursor."""
+    cursors = []
+    for r in range(world):
+        try:
+            cursors.append(int((spool / f"pos.{r}").read_text()))
+        except (FileNotFoundError, ValueError):
+            return None
+    return cursors
+
+
+def spool_bytes(spool: Path) -> int:
+    """Bytes of every record and record in progress in the folder."""
+    total = 0
+    for e in os.scandir(spool):
+        if e.name.endswith(SUFFIX) or e.name.endswith(".rec.tmp") or (e.name.endswith(".tmp") and SUFFIX in e.name):
+            try:
+                total += e.stat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class SpoolDataset:
+    """The training samples of a streamed run: `dataset[i]` waits for sample i's record in the spool, reads it as the
+    cache reader reads a record (same item layout), deletes it and notes it in this rank's ledger.
+
+    The trainer's loader tells it which step it is loading (`follow`), so the producers know what to make next."""
+
+    supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
+
+    def __init__(self, spool: str | Path, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
+                 timeout_s: float = 1800.0, poll_s: float = 0.05):
+        self.spool = Path(spool)
+        self.global_batch = global_batch
+        self.plan = plan
+        self.rank, self.world = rank, world
+        self.taps, self.rows = list(taps), rows
+        self.hidden_size = plan.hidden_size
+        self.tap_width = plan.hidden_size * rows
+        self.n_layers = plan.n_layers
+        self.dtype = plan.dtype
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.lengths = np.array([s.length for s in plan.samples], dtype=np.int64)
+        self.manifest = dict(plan.signature)
+        self._ledger = None
+        self._expect: deque[tuple[int | None, int | None]] = deque()  # (plan position, index) of the reads to come
+        self._lock = threading.Lock()
+        self.waited_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.plan.samples)
+
+    def sample_id(self, i: int) -> str:
+        return self.plan.samples[i].id
+
+    def token_counts(self):
+        import torch
+
+        if self.plan.token_counts is None:
+            raise CacheError("This stream plan was made without token counts; it cannot size a draft vocabulary.")
+        return torch.from_numpy(self.plan.token_counts)
+
+    def follow(self, schedule: Iterator[tuple[int, int, list[int]]]) -> Iterator[tuple[int, int, list[int]]]:
+        """Pass the loader's schedule through, remembering each read's plan position: within a step this rank reads
+        positions rank, rank + world, ... of the step's read order (BatchPlan.read_order), micro-batch after
+        micro-batch. `__getitem__` publishes them; `done.<rank>` follows the last read."""
+        last, n = None, 0
+        for step, m, idx in schedule:
+            if step != last:
+                last, n = step, 0
+            with self._lock:
+                for i in idx:
+                    self._expect.append((step * self.global_batch + self.rank + n * self.world, i))
+                    n += 1
+            yield step, m, idx
+        with self._lock:
+            if self._expect:
+                self._expect.append((None, None))  # the read that empties the queue says done
+            else:
+                self._finish()
+
+    def _position(self, i: int) -> int | None:
+        with self._lock:
+            if not self._expect or self._expect[0][1] is None:  # read outside the schedule (tests, inspection)
+                return None
+            k, j = self._expect.popleft()
+        if j != i:
+            raise CacheError(f"internal: the loader read sample {i} where its schedule says {j}")
+        return k
+
+    def _publish(self, k: int) -> None:
+        """pos.<rank> = the plan position of this rank's next read: every position before it is consumed."""
+        write_text_atomic(self.spool / f"pos.{self.rank}", str(k))
+
+    def _finish(self) -> None:
+        (self.spool / f"{DONE}.{self.rank}").touch()
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        k = self._position(i)
+        if k is not None:
+            self._publish(k)
+        path = record_path(self.spool, i)
+        t0, warned, said = time.monotonic(), 0.0, 0.0
+        while True:
+            try:
+                header, data = read_record(path)
+                break
+            except FileNotFoundError:
+                pass
+            waited = time.monotonic() - t0
+            if waited > self.timeout_s:
+                raise CacheError(self._stalled(i, waited))
+            if waited - said > 1 and k is not None:  # a producer that (re)starts while we wait finds us
+                said = waited
+                self._publish(k)
+            if waited - warned > 30:
+                warned = waited
+                log.warning("rank %d: waiting %.0f s for sample %d from the producers: %s", self.rank, waited, i, self._producers())
+            time.sleep(self.poll_s)
+        self.waited_s += time.monotonic() - t0
+        sample = self.plan.samples[i]
+        if header["index"] != i or header["id"] != sample.id or header["length"] != sample.length:
+            raise CacheError(f"{path} holds sample {header['id']!r} ({header['length']} tokens), the plan says {sample.id!r} "
+                             f"({sample.length}); the spool {self.spool} is shared with another run — give each run its own cache.spool_dir.")
+        path.unlink(missing_ok=True)
+        if k is not None:
+            self._publish(k + 1)
+        self._note(i, header)
+        with self._lock:
+            if self._expect and self._expect[0][1] is None:
+                self._expect.popleft()
+                self._finish()
+        return fmt.record_item(data, 0, sample.length, len(self.taps), self.rows, self.hidden_size, self.dtype)
+
+    def _note(self, i: int, header: dict[str, Any]) -> None:
+        if self._ledger is None:
+            self._ledger = open(self.spool / f"ledger.{self.rank}.jsonl", "a")
+        self._ledger.write(json.dumps({"index": i, "id": header["id"], "producer": header["producer"]}) + "\n")
+        self._ledger.flush()
+
+    def _producers(self) -> str:
+        beats = sorted(self.spool.glob("producer.*.json"))
+        if not beats:
+            return "no producer has started; start `deepspec data stream CONFIG` with this run's recipe and --opts"
+        now, parts = time.time(), []
+        for p in beats:
+            b = read_json(p) or {}
+            parts.append(f"producer {b.get('producer', '?')} (pid {b.get('pid', '?')} on {b.get('host', '?')}) last seen "
+                         f"{now - b.get('time', 0):.0f} s ago, {b.get('produced', 0)} made")
+        return "; ".join(parts)
+
+    def _stalled(self, i: int, waited: float) -> str:
+        return (f"Sample {i} ({self.sample_id(i)!r}) did not reach the spool {self.spool} in {waited:.0f} s "
+                f"(cache.stream_timeout_s): {self._producers()}. Restart the producers (`deepspec data stream CONFIG`), then "
+                "rerun training: it resumes from its last checkpoint.")
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_ledger"] = None
+        state["_expect"] = deque()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

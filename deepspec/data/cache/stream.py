@@ -1,0 +1,282 @@
+"""Producers of streamed training: run the target (HF or vLLM's extract_hidden_states, as a cache build does) on the
+samples the trainer will read next, and write them into the spool (deepspec/data/cache/spool.py).
+
+`deepspec data stream CONFIG --producer W --producers N` is one producer; N of them (one per GPU, or per node with
+the target's own tensor / expert parallelism) share the trainer's plan: producer W makes the samples at plan
+positions p with p % N == W. What a producer makes is a pure function of the recipe and the trainer's position, so
+a producer may be killed and restarted at any time: it finds what is missing and makes it. With
+`cache.stream_producers` > 0 the trainer's rank 0 starts that many producers on its own machine and stops them when
+it exits (they also stop when it dies).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deepspec.data.cache import spool as sp
+from deepspec.data.cache.writer import Sample, _batches, _featurizer, _load_plan_inputs, encode_sample, make_plan, materialize
+from deepspec.errors import CacheError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+
+def spool_dir(cfg) -> Path:
+    """cache.spool_dir, else <cache.dir>/spool/<run name>: one spool per run."""
+    return Path(cfg.cache.spool_dir) if cfg.cache.spool_dir else cfg.cache_dir / "spool" / cfg.run_name
+
+
+class Producer:
+    """One producer's loop; `run()` returns its statistics when the trainer has read its last sample."""
+
+    def __init__(self, cfg, producer: int = 0, producers: int = 1, *, spool: Path | None = None, model=None,
+                 device: str | None = None, parent_pid: int | None = None, poll_s: float = 0.05):
+        if not 0 <= producer < producers:
+            raise CacheError(f"--producer {producer} is outside 0..{producers - 1} (--producers {producers}).")
+        self.cfg, self.w, self.n = cfg, producer, producers
+        self.spool = spool or spool_dir(cfg)
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self.model, self.device, self.parent_pid, self.poll_s = model, device, parent_pid, poll_s
+        self.budget = int(cfg.cache.spool_gb * 1e9) // producers
+        self.held: dict[int, int] = {}  # index -> bytes of the records this producer wrote that are still there
+        self.stats: dict[str, Any] = {"producer": producer, "producers": producers, "pid": os.getpid(), "host": socket.gethostname(),
+                                      "produced": 0, "tokens": 0, "bytes": 0, "peak_bytes": 0, "busy_s": 0.0,
+                                      "wait_trainer_s": 0.0, "wait_room_s": 0.0, "evicted": 0, "budget_bytes": self.budget}
+        self._beat = 0.0
+
+    # ------------------------------------------------------------------ state on disk
+    def _heartbeat(self, state: str, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self._beat > 1.0:
+            self._beat = now
+            sp.write_json(self.spool / f"producer.{self.w}.json", {**self.stats, "state": state, "time": now})
+
+    def _parent_alive(self) -> bool:
+        if self.parent_pid is None:
+            return True
+        try:
+            os.kill(self.parent_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _adopt(self) -> None:
+        """After a restart: drop our half-written records, count our complete ones (they stay valid)."""
+        for tmp in self.spool.glob(f".*{sp.SUFFIX}.*.tmp"):
+            tmp.unlink(missing_ok=True)  # only producers write .rec temporaries, and a restarted one replaces its own
+        for rec in self.spool.glob(f"*{sp.SUFFIX}"):
+            try:
+                header, _ = sp.read_record(rec)
+            except (FileNotFoundError, CacheError):
+                continue
+            if header.get("producer") == self.w:
+                self.held[int(header["index"])] = rec.stat().st_size
+
+    def _refresh(self) -> None:
+        for i in [i for i in self.held if not sp.record_path(self.spool, i).exists()]:
+            del self.held[i]  # read (and deleted) by the trainer
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, max_idle_s: float | None = None) -> dict[str, Any]:
+        from deepspec.train.batches import BatchPlan
+
+        tokenizer, tconf = _load_plan_inputs(self.cfg)
+        plan = make_plan(self.cfg, "train", tokenizer, tconf)
+        doc = self._wait_for_trainer(plan, max_idle_s)
+        if doc is None:
+            return self.stats
+        G = int(doc["global_batch"])
+        order = BatchPlan(len(plan.samples), G, G, 1, int(doc["seed"]), doc["bucketing"])
+        lengths = [s.length for s in plan.samples]
+        featurize, close = _featurizer(plan, self.cfg, self.device, self.model)
+        self._adopt()
+        log.info("producer %d of %d: %d samples planned, spool %s, %.2f GB of its %.1f GB cap", self.w, self.n,
+                 len(plan.samples), self.spool, self.budget / 1e9, self.cfg.cache.spool_gb)
+        try:
+            while self._parent_alive():
+                fresh = sp.read_json(self.spool / sp.PLAN)
+                if fresh is not None and fresh.get("started") != doc.get("started"):  # the trainer restarted
+                    sp.check_plan(fresh, plan, self.spool)
+                    doc = fresh
+                if self._trainer_done(doc):
+                    break
+                cursors = sp.trainer_cursors(self.spool, int(doc["world"]))
+                if cursors is None:
+                    self._idle("waiting for the trainer's position")
+                    continue
+                self._refresh()
+                want = self._window(order, lengths, cursors, int(doc["total_steps"]))
+                missing = [(k, i) for k, i in want if not sp.record_path(self.spool, i).exists()]
+                todo = self._fit(missing, want, plan) if missing else []
+                if not todo:
+                    self._idle("ahead of the trainer" if not missing else "waiting for room in the spool", room=bool(missing))
+                    continue
+                t0 = time.monotonic()
+                self._produce(plan, todo, featurize, tokenizer)
+                self.stats["busy_s"] += time.monotonic() - t0
+                self._heartbeat("producing")
+        finally:
+            close()
+            self._heartbeat("stopped", force=True)
+        return self.stats
+
+    def _wait_for_trainer(self, plan, max_idle_s: float | None) -> dict[str, Any] | None:
+        t0 = time.monotonic()
+        while True:
+            doc = sp.read_json(self.spool / sp.PLAN)
+            if doc is not None:
+                sp.check_plan(doc, plan, self.spool)
+                return doc
+            if not self._parent_alive() or (max_idle_s is not None and time.monotonic() - t0 > max_idle_s):
+                return None
+            self._heartbeat("waiting for a trainer")
+            time.sleep(self.poll_s)
+
+    def _trainer_done(self, doc: dict[str, Any]) -> bool:
+        return all((self.spool / f"{sp.DONE}.{r}").exists() for r in range(int(doc["world"])))
+
+    def _idle(self, state: str, room: bool = False) -> None:
+        self.stats["wait_room_s" if room else "wait_trainer_s"] += self.poll_s
+        self._heartbeat(state)
+        time.sleep(self.poll_s)
+
+    def _window(self, order, lengths: list[int], cursors: list[int], total_steps: int) -> list[tuple[int, int]]:
+        """(plan position, sample index) of this producer's share of the next `stream_ahead` steps that the trainer has
+        yet to read, in the order it reads them (a sample's next use only)."""
+        G, world, seen, out = order.global_batch, len(cursors), set(), []
+        first = min(cursors) // G
+        for step in range(first, min(first + self.cfg.cache.stream_ahead, total_steps)):
+            for j, i in enumerate(order.read_order(step, lengths)):
+                k = step * G + j
+                if k >= cursors[j % world] and k % self.n == self.w and i not in seen:
+                    seen.add(i)
+                    out.append((k, i))
+        return out
+
+    def _fit(self, missing: list[tuple[int, int]], want: list[tuple[int, int]], plan) -> list[int]:
+        """The next missing samples, in plan order, that fit this producer's share of the cap (one batch's worth of
+        tokens at most); makes room by deleting its records furthest ahead (or no longer wanted) when the first
+        one does not fit."""
+        rank = {i: k for k, i in want}
+        todo, tokens, pending = [], 0, 0
+        for k, i in missing:
+            s = plan.samples[i]
+            nb = sp.record_file_bytes(s.length, plan.n_layers, plan.hidden_size, plan.dtype)
+            if nb > self.budget:
+                raise CacheError(
+                    f"Sample {s.id!r} needs {nb / 1e9:.2f} GB in the spool but each of the {self.n} producer(s) may hold "
+                    f"{self.budget / 1e9:.2f} GB (cache.spool_gb={self.cfg.cache.spool_gb} / producers); raise cache.spool_gb.")
+            if todo and tokens + s.length > self.cfg.cache.batch_tokens:
+                break
+            while sum(self.held.values()) + pending + nb > self.budget:
+                later = [j for j in self.held if rank.get(j, float("inf")) > k]
+                if not later:
+                    return todo
+                victim = max(later, key=lambda j: rank.get(j, float("inf")))
+                sp.record_path(self.spool, victim).unlink(missing_ok=True)
+                del self.held[victim]
+                self.stats["evicted"] += 1
+            todo.append(i)
+            tokens += s.length
+            pending += nb
+        return todo
+
+    def _produce(self, plan, todo: list[int], featurize, tokenizer) -> None:
+        samples = materialize(plan, [plan.samples[i] for i in todo], tokenizer)
+        index_of = {id(s): i for s, i in zip(samples, todo)}
+        for batch in _batches(sorted(samples, key=lambda s: len(s.input_ids)), self.cfg.cache.batch_tokens):
+            for sample, feats in featurize(batch):
+                self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype))
+
+    def _write(self, plan, index: int, sample: Sample, data: bytes) -> None:
+        nb = sp.write_record(self.spool, index, sample.id, data, length=len(sample.input_ids), n_layers=plan.n_layers,
+                             hidden=plan.hidden_size, dtype=plan.dtype, truncated=sample.truncated, producer=self.w)
+        self.held[index] = nb
+        self.stats["produced"] += 1
+        self.stats["tokens"] += len(sample.input_ids)
+        self.stats["bytes"] += nb
+        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], sum(self.held.values()))
+
+
+def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen]:
+    """`cache.stream_producers` producers on this machine, children of this trainer process (they exit when it does),
+    each logging to <spool>/producer.<w>.log. The recipe travels as the resolved config, so they plan what it plans."""
+    from deepspec.config import save_config
+
+    recipe = save_config(cfg, spool, "recipe.yaml")
+    procs = []
+    for w in range(count):
+        cmd = [sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe), "--producer", str(w), "--producers",
+               str(count), "--parent-pid", str(os.getpid())]
+        log_file = open(spool / f"producer.{w}.log", "ab")
+        procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+        log_file.close()
+    log.info("started %d local producer(s) for %s (logs: %s/producer.*.log)", count, spool, spool)
+    return procs
+
+
+def stop_local_producers(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def open_stream_datasets(cfg, info):
+    """cache.mode=stream: training samples come through the spool (rank 0 publishes the plan and starts the local
+    producers); validation reads the held-out offline cache when it was built (small: `deepspec data cache --split
+    heldout`, which `deepspec run` does), else training runs without validation."""
+    import atexit
+    import math
+
+    import torch.distributed as dist
+
+    from deepspec.data.cache.writer import tap_rows
+
+    tokenizer, tconf = _load_plan_inputs(cfg)
+    plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
+    G = cfg.train.global_batch_size
+    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * (len(plan.samples) // max(G, 1))))
+    spool = spool_dir(cfg)
+    if info.is_main:
+        spool.mkdir(parents=True, exist_ok=True)
+        for stale in [*spool.glob(f"{sp.DONE}.*"), *spool.glob("pos.*")]:
+            stale.unlink(missing_ok=True)
+        doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total_steps, bucketing=cfg.train.bucketing)
+        sp.write_json(spool / sp.PLAN, {**doc, "world": info.world})
+        if cfg.cache.stream_producers:
+            procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
+            atexit.register(stop_local_producers, procs)
+        else:
+            log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
+                     "(the same recipe and --opts); spool %s", spool)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    _, _, rows = tap_rows(cfg, tconf)
+    train = sp.SpoolDataset(spool, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
+                            timeout_s=cfg.cache.stream_timeout_s)
+    val = None
+    from deepspec.data.cache.format import is_complete
+
+    if is_complete(cfg.cache_heldout_dir):
+        from deepspec.data.cache.reader import open_cache
+
+        val = open_cache(cfg.cache_heldout_dir, cfg=cfg)
+    else:
+        log.warning("no held-out cache at %s: training without validation (build it with `deepspec data cache CONFIG --split heldout`)",
+                    cfg.cache_heldout_dir)
+    return train, val

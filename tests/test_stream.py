@@ -1,0 +1,147 @@
+"""Streamed training (cache.mode=stream): producers write the samples the trainer reads next into a bounded spool.
+
+On the tiny random Llama target, with real producer processes (`deepspec data stream`) and real gloo workers: the
+streamed run trains exactly like the offline cache run (same features, same order, same losses); the spool never
+holds more than its cap; a producer killed with SIGKILL mid-epoch is restarted and every sample is still trained
+exactly once per epoch (counted in the ledgers); a trainer killed mid-run resumes from its checkpoint and the
+producers make again what it needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 12  # two epochs of 6 steps (24 samples, global batch 4)
+GLOBAL = 4
+CAP_GB = 0.0001  # 100 kB: a few of the tiny target's records
+
+
+def _conversation(rng: random.Random, i: int) -> dict:
+    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
+    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 24)))
+    return {"id": f"s{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A recipe on the tiny target; its held-out cache is built (validation reads it in both modes), and so is the
+    train cache of the offline reference run. One target forward per sample (batch_tokens 1) on both paths, so the
+    streamed features are the cache's bytes exactly."""
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+
+    root = tmp_path_factory.mktemp("stream")
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(24)))
+    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(4)))
+    path = root / "recipe.yaml"
+    path.write_text(
+        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
+project: t
+exp: offline
+output_root: {root}/out
+target: {{name: {tiny_llama_dir}}}
+data: {{dir: {data}}}
+cache: {{max_length: 128, batch_tokens: 1, spool_gb: {CAP_GB}, stream_ahead: 2, stream_timeout_s: 120}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: 64, init_copy_heads: false}}
+train:
+  output_root: {root}/ckpt
+  optimizer: adamw
+  global_batch_size: {GLOBAL}
+  micro_batch_size: 1
+  max_steps: {STEPS}
+  save_every: 4
+  val_every: 6
+  log_every: 1
+  keep_last: 2
+logging: {{progress: false, wandb: false}}
+"""
+    )
+    cfg = load_config(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        build_cache(cfg, "train")
+        build_cache(cfg, "heldout")
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", PYTHONPATH=str(REPO),
+               CUDA_VISIBLE_DEVICES="", DEEPSPEC_CACHE_DEVICE="cpu")
+    env.pop("DEEPSPEC_TRAIN_KILL_AFTER_STEP", None)
+    env.update(extra)
+    return env
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows}
+
+
+def _plan(cfg):
+    from deepspec.data.cache.writer import plan_split
+    from deepspec.train.batches import BatchPlan
+
+    plan = plan_split(cfg, "train")
+    return plan, BatchPlan(len(plan.samples), GLOBAL, 1, 1, cfg.train.seed)
+
+
+def _reads(spool: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(spool.glob("ledger.*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def _assert_each_sample_once_per_epoch(cfg, spool: Path, first_step: int = 0) -> None:
+    """The ledgers hold exactly the plan's samples of steps first_step.. (each epoch's permutation), each once."""
+    plan, order = _plan(cfg)
+    expected = Counter(i for s in range(first_step, STEPS) for i in order.global_indices(s))
+    reads = _reads(spool)
+    assert Counter(r["index"] for r in reads) == expected
+    assert all(plan.samples[r["index"]].id == r["id"] for r in reads)
+    assert max(expected.values()) == 2  # two epochs: every sample twice, once in each
+
+
+@pytest.fixture(scope="module")
+def reference(recipe) -> Path:
+    from deepspec.config import load_config
+    from deepspec.train import train
+
+    cfg = load_config(recipe)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.cuda.is_available", lambda: False)
+        train(cfg)
+    return cfg.run_dir
+
+
+def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference):
+    """One worker, the trainer's own local producer: the same losses, bit for bit, as training from the cache; the
+    spool stayed under its cap and is empty at the end; the ledger counts each sample once per epoch."""
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+    from deepspec.train import train
+
+    cfg = load_config(recipe, ["exp=stream", "cache.mode=stream"])
+    spool = spool_dir(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.cuda.is_available", lambda: False)
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        out = train(cfg)
+    assert out.name == f"step_{STEPS}"
+    assert _losses(cfg.run_dir) == _losses(reference)
+    _assert_each_sample_once_per_epoch(cfg, spool)
+    beat = json.loads((spool / "producer.0.json").read_text())
+    assert beat["state"] == "stopped" and beat["produced"] >= STEPS * GLOBAL, beat
+    assert 0 < beat["peak_bytes"] <= CAP_GB * 1e9, beat
+    assert not list(spool.glob("*.rec")) and not list(spool.glob(".*.tmp"))
