@@ -7,7 +7,8 @@ vocabulary, with full attention and with a 32-token sliding window shorter than 
 most of them. The eval decodes those prompts at T = 0 with our rounds drafting exactly the engine's S tokens, so both
 sides verify the same rounds of the same answers (eval/engine.py `served_as_trained`). EAGLE-3.1 is also served at
 T = 1 under vLLM's default protocol (greedy drafts) and compared with ours under the same protocol: two independent
-samples of ~300 rounds, clustered in six prompts, so the check is coarse (15%); docs/evaluation.md has the figures.
+samples of ~300 rounds, clustered in six prompts, so the check is a coarse band at depth 1 that catches a broken
+protocol (garbage or ignored temperatures), not a 5% drift; docs/evaluation.md has the figures.
 """
 
 from __future__ import annotations
@@ -180,11 +181,15 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
               f"({100 * c1['relative_diff']:+.1f}%, standard error of the difference {100 * se / c1['ours_tau_at_S']:.1f}%)", _depths(c1))
         assert c1["same_protocol"] and not c1["served_as_trained"]["decided"]
         assert sampled["engine"]["seeded"] is False  # vLLM's CPU build: a per-request seed would kill its worker
-        # two independent samples, clustered in six prompts (the standard error above assumes independent rounds and
-        # is optimistic; vLLM's side ranged 1.109-1.207 against ours 1.118 over runs): a coarse bound. The unfixed CPU
-        # temperatures are pinned exactly by tests/test_vllm_plugin.py
+        # Two independent samples clustered in six prompts: tau is no test here (the standard error above assumes
+        # independent rounds and is optimistic). Repeated on one checkpoint, vLLM's tau ranged 1.110-1.320 and
+        # ours 1.088-1.240 over seeds (depth 1: vLLM 0.076-0.212, ours 0.079-0.137), and a broken protocol barely
+        # moves tau (the uninitialised CPU temperatures gave 1.01). Depth 1 tells them apart: those temperatures
+        # gave 0.010, a target verified greedily would give ~0.95, so the check is a band around ours at depth 1.
+        # The unfixed CPU temperatures are pinned exactly by tests/test_vllm_plugin.py.
         assert sampled["overall"]["rounds"] > 250 and c1["engine_drafts"] > 250, c1
-        assert abs(c1["relative_diff"]) < 0.15, c1
+        ratio = c1["engine_survival"][0] / c1["ours_survival"][0]
+        assert 0.4 < ratio < 4.0, _depths(c1)
         assert "greedy drafts, T=1 on both sides" in (tmp_path / "t1" / "results.md").read_text()
 
     for name, edit in BROKEN[draft]:

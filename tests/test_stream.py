@@ -145,3 +145,96 @@ def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference):
     assert beat["state"] == "stopped" and beat["produced"] >= STEPS * GLOBAL, beat
     assert 0 < beat["peak_bytes"] <= CAP_GB * 1e9, beat
     assert not list(spool.glob("*.rec")) and not list(spool.glob(".*.tmp"))
+
+
+def _opts(name: str, producers: int) -> list[str]:
+    return [f"exp={name}", "cache.mode=stream", f"cache.stream_producers={producers}"]
+
+
+def _train_sh(recipe: Path, opts: list[str], **env: str) -> subprocess.Popen:
+    cmd = ["bash", str(REPO / "scripts/train/train.sh"), str(recipe), "--nproc", "2", "--opts", *opts]
+    return subprocess.Popen(cmd, env=_env(PYTHON=sys.executable, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _producer(recipe: Path, opts: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe), "--opts", *opts]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _wait(cond, timeout: float, what: str):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(recipe, reference):
+    """2 gloo workers fed by a separately started producer; SIGKILL it mid-epoch: the trainer waits (no read is lost or
+    invented), a new producer picks up where the trainer is, and training ends with each sample read exactly once per
+    epoch and the offline run's losses."""
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+
+    opts = _opts("kill-producer", 0)
+    cfg = load_config(recipe, opts)
+    spool = spool_dir(cfg)
+    trainer = _train_sh(recipe, opts)
+    producer = _producer(recipe, opts)
+    try:
+        _wait(lambda: len(_reads(spool)) >= 10, 180, "10 reads")
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.wait()
+
+        def stalled():  # the reads stop once what the dead producer left in the spool is used up
+            n = len(_reads(spool))
+            time.sleep(2.0)
+            return n == len(_reads(spool)) and n + 1
+
+        stalled_at = _wait(stalled, 60, "the trainer to stall") - 1
+        assert stalled_at < STEPS * GLOBAL and trainer.poll() is None, stalled_at
+        producer = _producer(recipe, opts)
+        out, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+        p_out, p_err = producer.communicate(timeout=60)
+        assert producer.returncode == 0, p_err[-3000:]
+    finally:
+        for p in (trainer, producer):
+            if p.poll() is None:
+                p.kill()
+    stats = json.loads(p_out.strip().splitlines()[-1])
+    assert 0 < stats["produced"] <= STEPS * GLOBAL and stats["peak_bytes"] <= CAP_GB * 1e9, stats
+    _assert_each_sample_once_per_epoch(cfg, spool)
+    ref, got = _losses(reference), _losses(cfg.run_dir)
+    assert set(got) == set(ref) and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (got, ref)
+
+
+@pytest.mark.slow
+def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recipe, reference):
+    """train.sh with 2 workers and the trainer's own producer; rank 0 SIGKILLed after step 5 (last checkpoint: step 4):
+    its producer stops with it; the rerun resumes at step 4, a new producer makes steps 4.. again (their records were
+    read and deleted), and the resumed run reads exactly the plan's samples of steps 4..11."""
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+
+    opts = _opts("kill-trainer", 1)
+    cfg = load_config(recipe, opts)
+    spool = spool_dir(cfg)
+    crashed = _train_sh(recipe, opts, DEEPSPEC_TRAIN_KILL_AFTER_STEP="5")
+    _, err = crashed.communicate(timeout=300)
+    assert crashed.returncode != 0, err[-2000:]
+    assert os.path.realpath(cfg.run_dir / "step_latest").endswith("step_4")
+    _wait(lambda: (json.loads((spool / "producer.0.json").read_text()).get("state") == "stopped"), 30, "the orphaned producer to stop")
+    before = {p.name: len(p.read_text().splitlines()) for p in spool.glob("ledger.*.jsonl")}
+    rerun = _train_sh(recipe, opts)
+    _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err[-3000:]
+    assert "resuming from" in err and "step 4" in err
+    _, order = _plan(cfg)
+    resumed = [json.loads(line)["index"] for p in spool.glob("ledger.*.jsonl") for line in p.read_text().splitlines()[before.get(p.name, 0):]]
+    assert Counter(resumed) == Counter(i for s in range(4, STEPS) for i in order.global_indices(s))
+    ref, got = _losses(reference), _losses(cfg.run_dir)
+    assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(5, STEPS + 1)), (got, ref)

@@ -218,10 +218,12 @@ class SpoolDataset:
                 self._finish()
 
     def _position(self, i: int) -> int | None:
+        """The plan position of this read (None outside the schedule: tests, inspection). Its entry stays queued
+        until the read completes, so the end of the schedule is never declared while a read still waits."""
         with self._lock:
-            if not self._expect or self._expect[0][1] is None:  # read outside the schedule (tests, inspection)
+            if not self._expect or self._expect[0][1] is None:
                 return None
-            k, j = self._expect.popleft()
+            k, j = self._expect[0]
         if j != i:
             raise CacheError(f"internal: the loader read sample {i} where its schedule says {j}")
         return k
@@ -264,10 +266,12 @@ class SpoolDataset:
         if k is not None:
             self._publish(k + 1)
         self._note(i, header)
-        with self._lock:
-            if self._expect and self._expect[0][1] is None:
+        if k is not None:
+            with self._lock:
                 self._expect.popleft()
-                self._finish()
+                if self._expect and self._expect[0][1] is None:
+                    self._expect.popleft()
+                    self._finish()
         return fmt.record_item(data, 0, sample.length, len(self.taps), self.rows, self.hidden_size, self.dtype)
 
     def _note(self, i: int, header: dict[str, Any]) -> None:
