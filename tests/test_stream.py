@@ -238,3 +238,36 @@ def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recip
     assert Counter(resumed) == Counter(i for s in range(4, STEPS) for i in order.global_indices(s))
     ref, got = _losses(reference), _losses(cfg.run_dir)
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(5, STEPS + 1)), (got, ref)
+
+
+@pytest.mark.timeout(600)
+def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, monkeypatch, one_torch_thread):
+    """The V4-Flash DFlash recipe (4 residual streams concatenated per tap) streamed end to end on tiny-mhc: the cache
+    stage builds only the held-out cache, the trainer's producer streams 5 taps x 4 streams + the final state per token,
+    and the draft's fc reads 5 x 4 x 64 features."""
+    from test_targets_mhc import RECIPES, SMALL, _write_data
+
+    from deepspec.config import load_config
+    from deepspec.data.cache.format import is_complete
+    from deepspec.data.cache.stream import spool_dir
+    from deepspec.drafts.checkpoint import load_draft
+    from deepspec.pipeline import run
+
+    monkeypatch.setenv("DEEPSPEC_CACHE", str(tmp_path / "dscache"))
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    data = tmp_path / "data"
+    _write_data(data, 8, "regenerated.jsonl", 0)
+    _write_data(data, 2, "regenerated.heldout.jsonl", 1)
+    recipe, extra = RECIPES["dflash"]
+    opts = [f"output_root={tmp_path / 'out'}", f"train.output_root={tmp_path / 'ckpt'}", f"data.dir={data}",
+            f"cache.dir={tmp_path / 'cache'}", *SMALL, *extra, "cache.mode=stream", "cache.spool_gb=0.001"]
+    (res,) = run([str(REPO / recipe)], opts, stages=("cache", "train"), engine=False)
+    assert res.checkpoint is not None and res.checkpoint.name == "step_2"
+    assert is_complete(tmp_path / "cache" / "heldout") and not (tmp_path / "cache" / "train").exists()
+    draft = load_draft(res.checkpoint)
+    assert (draft.arch.target_hc_mult, draft.arch.tap_reduction) == (4, "concat") and draft.fc.in_features == 5 * 4 * 64
+    spool = spool_dir(load_config(str(REPO / recipe), opts))
+    assert json.loads((spool / "plan.json").read_text())["signature"]["tap_reduction"] == "concat"
+    beat = json.loads((spool / "producer.0.json").read_text())
+    assert beat["produced"] == 4 and beat["state"] == "stopped", beat  # 2 steps x 2 samples
+    assert sum(1 for _ in _reads(spool)) == 4

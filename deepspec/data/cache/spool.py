@@ -17,7 +17,8 @@ Layout of a spool folder (local disk, or a filesystem every node mounts):
 * ``producer.<w>.json`` — each producer's heartbeat: what it made, the spool bytes it holds and its peak, how long
   it waited for the trainer or for room.
 * ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact.
-* ``done.<rank>`` — the rank read its last record; producers exit when every rank is done.
+* ``done.<rank>`` — the rank read its last record (with its read count and how long it waited for producers);
+  producers exit when every rank is done.
 
 The cap (`cache.spool_gb`) is split evenly between producers and each one counts the records it wrote and its
 record in progress, so the folder never holds more than the cap. When a producer's share is full and the record
@@ -183,7 +184,8 @@ class SpoolDataset:
         self._ledger = None
         self._expect: deque[tuple[int | None, int | None]] = deque()  # (plan position, index) of the reads to come
         self._lock = threading.Lock()
-        self.waited_s = 0.0
+        self.waited_s = 0.0  # time this rank's reads waited for producers (the trainer's stall, when it prefetches)
+        self.reads = 0
 
     def __len__(self) -> int:
         return len(self.plan.samples)
@@ -233,7 +235,7 @@ class SpoolDataset:
         write_text_atomic(self.spool / f"pos.{self.rank}", str(k))
 
     def _finish(self) -> None:
-        (self.spool / f"{DONE}.{self.rank}").touch()
+        write_json(self.spool / f"{DONE}.{self.rank}", {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)})
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         k = self._position(i)
@@ -258,6 +260,7 @@ class SpoolDataset:
                 log.warning("rank %d: waiting %.0f s for sample %d from the producers: %s", self.rank, waited, i, self._producers())
             time.sleep(self.poll_s)
         self.waited_s += time.monotonic() - t0
+        self.reads += 1
         sample = self.plan.samples[i]
         if header["index"] != i or header["id"] != sample.id or header["length"] != sample.length:
             raise CacheError(f"{path} holds sample {header['id']!r} ({header['length']} tokens), the plan says {sample.id!r} "

@@ -88,6 +88,7 @@ class Producer:
     def run(self, max_idle_s: float | None = None) -> dict[str, Any]:
         from deepspec.train.batches import BatchPlan
 
+        self._heartbeat("starting", force=True)  # a trainer that waits names us from the first second
         tokenizer, tconf = _load_plan_inputs(self.cfg)
         plan = make_plan(self.cfg, "train", tokenizer, tconf)
         doc = self._wait_for_trainer(plan, max_idle_s)
