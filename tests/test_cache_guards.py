@@ -61,7 +61,7 @@ def test_build_over_max_gb_stops_with_one_sentence_and_writes_nothing(tmp_path, 
         build_cache(cfg, "train")
     msg = str(e.value)
     assert "The train cache needs" in msg and "cache.max_gb is 1e-06" in msg and "bytes/token in bf16" in msg
-    assert "cache.dtype=fp8" in msg and "cache.max_length" in msg and "cache.mode=online" in msg
+    assert "cache.dtype=fp8" in msg and "cache.max_length" in msg and "cache.mode=stream" in msg and "cache.mode=online" in msg
     assert msg.count(". ") == 0 and msg.endswith(".")  # one sentence
     assert not (tmp_path / "cache" / "train").exists()
 

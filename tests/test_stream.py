@@ -271,3 +271,82 @@ def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, m
     beat = json.loads((spool / "producer.0.json").read_text())
     assert beat["produced"] == 4 and beat["state"] == "stopped", beat  # 2 steps x 2 samples
     assert sum(1 for _ in _reads(spool)) == 4
+
+
+def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe, tmp_path):
+    """Boundary errors are sentences: a producer started with other --opts than the trainer (other taps) names the field;
+    a spool share that cannot hold one sample names the sizes and cache.spool_gb."""
+    from deepspec.config import load_config
+    from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.stream import Producer
+    from deepspec.data.cache.writer import plan_split
+    from deepspec.errors import CacheError
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    cfg = load_config(recipe, ["cache.mode=stream"])
+    plan = plan_split(cfg, "train")
+    sp.write_json(spool / sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=GLOBAL, total_steps=STEPS, bucketing="length"), "world": 1})
+    other = load_config(recipe, ["cache.mode=stream", "model.target_layer_ids=[1,2,4]"])
+    with pytest.raises(CacheError, match=r"planned taps=\[0, 2, 4\] but this producer's recipe gives \[1, 2, 4\]"):
+        Producer(other, spool=spool).run(max_idle_s=5)
+    (spool / "pos.0").write_text("0")
+    tiny = load_config(recipe, ["cache.mode=stream", "cache.spool_gb=0.000001"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        with pytest.raises(CacheError, match=r"needs [\d.]+ kB in the spool but each of the 1 producer\(s\) may hold 1\.0 kB \(cache.spool_gb=1e-06 / producers\); raise"):
+            Producer(tiny, spool=spool).run(max_idle_s=5)
+    assert not list(spool.glob("*.rec"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_path, monkeypatch):
+    """A producer capturing with vLLM's extract_hidden_states (cache.capture_backend=vllm) writes, for the positions a
+    trainer publishes, records whose features equal a transformers-built cache's within fp32 round-off; it stops
+    when the trainer says done."""
+    pytest.importorskip("vllm")
+    import threading
+
+    import torch
+
+    from deepspec.config import config_from_dict
+    from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.format import record_item
+    from deepspec.data.cache.reader import CacheDataset
+    from deepspec.data.cache.stream import Producer
+    from deepspec.data.cache.writer import build_cache, plan_split
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    (tmp_path / "data").mkdir()
+    rng = random.Random(1)
+    (tmp_path / "data" / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(4)))
+
+    def cfg_for(backend: str):
+        return config_from_dict({
+            "target": {"name": str(smollm2_dir), "dtype": "float32"}, "data": {"dir": str(tmp_path / "data")},
+            "cache": {"dir": str(tmp_path / backend), "dtype": "fp32", "capture_backend": backend, "max_length": 128,
+                      "mode": "stream", "spool_dir": str(tmp_path / "spool")},
+            "train": {"global_batch_size": 2, "micro_batch_size": 1, "max_steps": 2},
+        })
+
+    hf = CacheDataset(build_cache(cfg_for("hf"), "train"))
+    cfg = cfg_for("vllm")
+    plan = plan_split(cfg, "train")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    sp.write_json(spool / sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=2, total_steps=2, bucketing="length"), "world": 1})
+    (spool / "pos.0").write_text("0")  # a trainer at the start of its plan
+    stats: dict = {}
+    producer = threading.Thread(target=lambda: stats.update(Producer(cfg, spool=spool).run()))
+    producer.start()
+    _wait(lambda: len(list(spool.glob("*.rec"))) == 4 or not producer.is_alive(), 300, "4 records")
+    (spool / "done.0").write_text("{}")
+    producer.join(60)
+    assert not producer.is_alive() and stats["produced"] == 4, stats
+    for i in range(4):
+        header, data = sp.read_record(sp.record_path(spool, i), verify=True)
+        got, ref = record_item(data, 0, header["length"], len(hf.taps), 1, hf.hidden_size, "fp32"), hf[i]
+        assert header["id"] == hf.sample_id(i) and torch.equal(got["input_ids"], ref["input_ids"])
+        torch.testing.assert_close(got["taps"], ref["taps"], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got["final_hidden"], ref["final_hidden"], rtol=1e-3, atol=1e-3)

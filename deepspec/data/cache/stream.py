@@ -99,8 +99,8 @@ class Producer:
         lengths = [s.length for s in plan.samples]
         featurize, close = _featurizer(plan, self.cfg, self.device, self.model)
         self._adopt()
-        log.info("producer %d of %d: %d samples planned, spool %s, %.2f GB of its %.1f GB cap", self.w, self.n,
-                 len(plan.samples), self.spool, self.budget / 1e9, self.cfg.cache.spool_gb)
+        log.info("producer %d of %d: %d samples planned, spool %s, %s of its %s cap", self.w, self.n,
+                 len(plan.samples), self.spool, _size(self.budget), _size(self.cfg.cache.spool_gb * 1e9))
         try:
             while self._parent_alive():
                 fresh = sp.read_json(self.spool / sp.PLAN)
@@ -173,8 +173,8 @@ class Producer:
             nb = sp.record_file_bytes(s.length, plan.n_layers, plan.hidden_size, plan.dtype)
             if nb > self.budget:
                 raise CacheError(
-                    f"Sample {s.id!r} needs {nb / 1e9:.2f} GB in the spool but each of the {self.n} producer(s) may hold "
-                    f"{self.budget / 1e9:.2f} GB (cache.spool_gb={self.cfg.cache.spool_gb} / producers); raise cache.spool_gb.")
+                    f"Sample {s.id!r} needs {_size(nb)} in the spool but each of the {self.n} producer(s) may hold "
+                    f"{_size(self.budget)} (cache.spool_gb={self.cfg.cache.spool_gb:g} / producers); raise cache.spool_gb.")
             if todo and tokens + s.length > self.cfg.cache.batch_tokens:
                 break
             while sum(self.held.values()) + pending + nb > self.budget:
@@ -205,6 +205,13 @@ class Producer:
         self.stats["tokens"] += len(sample.input_ids)
         self.stats["bytes"] += nb
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], sum(self.held.values()))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.1f} kB"
 
 
 def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen]:
