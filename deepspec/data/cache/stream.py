@@ -207,6 +207,10 @@ class Producer:
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], sum(self.held.values()))
 
 
+_TORCHRUN_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6)):
         if n >= scale:
@@ -218,14 +222,18 @@ def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen
     """`cache.stream_producers` producers on this machine, children of this trainer process (they exit when it does),
     each logging to <spool>/producer.<w>.log. The recipe travels as the resolved config, so they plan what it plans."""
     from deepspec.config import save_config
+    from deepspec.data.cache.guards import check_workers
 
+    check_workers(cfg, count)  # target.device_map spreads one target over the node: one producer, not N
     recipe = save_config(cfg, spool, "recipe.yaml")
+    # not a torchrun worker: vLLM and the device choice must not read the trainer's rank variables
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     procs = []
     for w in range(count):
         cmd = [sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe), "--producer", str(w), "--producers",
                str(count), "--parent-pid", str(os.getpid())]
         log_file = open(spool / f"producer.{w}.log", "ab")
-        procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env))
         log_file.close()
     log.info("started %d local producer(s) for %s (logs: %s/producer.*.log)", count, spool, spool)
     return procs
