@@ -246,6 +246,8 @@ def _served_speedup(speedup: dict[str, Any] | None) -> str:
 def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
     """Per-benchmark table of the engine's mean acceptance length (ours at the same S beside it): the overall
     figure mixes benchmarks of very different difficulty, and the held-out prompts are the ones a goal names."""
+    from deepspec.eval.report import served_verdict
+
     served = [r for r in recipes if ((r.results or {}).get("engine") or {}).get("tasks")]
     if not served:
         return []
@@ -254,8 +256,8 @@ def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> 
         "",
         f"## served by vLLM: mean acceptance length per benchmark, {s} speculative tokens (ours tau@{s} in brackets, same protocol)",
         "",
-        "| algorithm | protocol | " + " | ".join(tasks) + " | overall (pooled) | overall (benchmark mean) |",
-        "|---" * (len(tasks) + 4) + "|",
+        "| algorithm | protocol | " + " | ".join(tasks) + " | overall (pooled) | overall (benchmark mean) | served as trained |",
+        "|---" * (len(tasks) + 5) + "|",
     ]
     for r in served:
         eng = r.results["engine"]
@@ -263,7 +265,7 @@ def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> 
         lines.append(
             f"| {r.cfg.model.algorithm} | {eng.get('protocol') or _protocol(r.results)} | "
             + " | ".join(f"{_fmt(c.get('engine_tau'))} ({_fmt(c.get('ours_tau_at_S'))})" for c in cells)
-            + " |"
+            + f" | {served_verdict((eng.get('overall') or {}).get('served_as_trained'))} |"
         )
     return lines
 

@@ -43,3 +43,16 @@ def test_pipeline_summary_table(results):
     md = summary_markdown([RecipeResult("r.yaml", cfg, results=results)])
     assert "## per split (answers up to 160 tokens)" in md
     assert "| eagle3 / heldout:agentic | 2 | 160 | 1.000 |" in md
+
+
+def test_pipeline_summary_names_the_served_as_trained_verdict(results):
+    """The run summary's served-by-vLLM table ends with the per-depth verdict of the pooled comparison."""
+    verdict = {"decided": True, "ok": False, "worst_depth": 2, "worst_relative_diff": -0.31, "tolerance": 0.05}
+    cell = {"engine_tau": 1.5, "ours_tau_at_S": 2.0, "served_as_trained": verdict}
+    results["engine"] = {"num_speculative_tokens": 3, "protocol": "greedy (T=0)", "tasks": {"heldout:general": cell},
+                         "overall": cell}
+    cfg = load_config(None, ["eval.max_new_tokens=160"])
+    md = summary_markdown([RecipeResult("r.yaml", cfg, results=results)])
+    head = next(line for line in md.splitlines() if line.startswith("| algorithm | protocol |") and "served as trained" in line)
+    row = md.splitlines()[md.splitlines().index(head) + 2]
+    assert row.endswith("| **NO** (depth 2: -31.0%, tolerance 5%) |"), row
