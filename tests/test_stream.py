@@ -126,13 +126,14 @@ def reference(recipe) -> Path:
 
 
 def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference):
-    """One worker, the trainer's own local producer: the same losses, bit for bit, as training from the cache; the
-    spool stayed under its cap and is empty at the end; the ledger counts each sample once per epoch."""
+    """One worker fed by the trainer's own two local producers (each making every other sample, each with half the
+    cap): the same losses, bit for bit, as training from the cache; the spool stayed under its cap and is empty at the
+    end; the ledger counts each sample once per epoch."""
     from deepspec.config import load_config
     from deepspec.data.cache.stream import spool_dir
     from deepspec.train import train
 
-    cfg = load_config(recipe, ["exp=stream", "cache.mode=stream"])
+    cfg = load_config(recipe, ["exp=stream", "cache.mode=stream", "cache.stream_producers=2", f"cache.spool_gb={2 * CAP_GB}"])
     spool = spool_dir(cfg)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("torch.cuda.is_available", lambda: False)
@@ -141,9 +142,10 @@ def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference):
     assert out.name == f"step_{STEPS}"
     assert _losses(cfg.run_dir) == _losses(reference)
     _assert_each_sample_once_per_epoch(cfg, spool)
-    beat = json.loads((spool / "producer.0.json").read_text())
-    assert beat["state"] == "stopped" and beat["produced"] >= STEPS * GLOBAL, beat
-    assert 0 < beat["peak_bytes"] <= CAP_GB * 1e9, beat
+    beats = [json.loads((spool / f"producer.{w}.json").read_text()) for w in (0, 1)]
+    assert all(b["state"] == "stopped" and b["produced"] >= STEPS * GLOBAL // 2 for b in beats), beats
+    assert all(0 < b["peak_bytes"] <= CAP_GB * 1e9 for b in beats), beats  # each its half of the cap
+    assert {r["producer"] for r in _reads(spool)} == {0, 1}
     assert not list(spool.glob("*.rec")) and not list(spool.glob(".*.tmp"))
 
 
@@ -271,6 +273,22 @@ def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, m
     beat = json.loads((spool / "producer.0.json").read_text())
     assert beat["produced"] == 4 and beat["state"] == "stopped", beat  # 2 steps x 2 samples
     assert sum(1 for _ in _reads(spool)) == 4
+
+
+def test_a_trainer_stops_at_once_when_its_producer_fails(recipe):
+    """Two local producers sharing a cap that cannot hold one sample each: they stop with their sentence, and the
+    trainer stops with it too, at once, not after cache.stream_timeout_s."""
+    from deepspec.config import load_config
+    from deepspec.errors import CacheError
+    from deepspec.train import train
+
+    cfg = load_config(recipe, ["exp=failing", "cache.mode=stream", "cache.stream_producers=2", "cache.spool_gb=0.00004"])
+    t0 = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(CacheError, match=r"Producer [01] of the spool .* stopped: Sample .* needs .* raise cache.spool_gb"):
+        mp.setattr("torch.cuda.is_available", lambda: False)
+        mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+        train(cfg)
+    assert time.monotonic() - t0 < 100  # cache.stream_timeout_s is 120
 
 
 def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe, tmp_path):

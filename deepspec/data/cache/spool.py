@@ -252,6 +252,8 @@ class SpoolDataset:
             waited = time.monotonic() - t0
             if waited > self.timeout_s:
                 raise CacheError(self._stalled(i, waited))
+            if waited - said > 1:
+                self._fail_if_a_producer_failed()
             if waited - said > 1 and k is not None:  # a producer that (re)starts while we wait finds us
                 said = waited
                 self._publish(k)
@@ -283,6 +285,16 @@ class SpoolDataset:
         self._ledger.write(json.dumps({"index": i, "id": header["id"], "producer": header["producer"]}) + "\n")
         self._ledger.flush()
 
+    def _fail_if_a_producer_failed(self) -> None:
+        """A producer that stopped on an error (not one that was killed: that one is restarted) leaves its share of the
+        samples unmade for good: stop now with its sentence rather than after cache.stream_timeout_s."""
+        for p in sorted(self.spool.glob("producer.*.json")):
+            b = read_json(p) or {}
+            if b.get("state") == "failed":
+                raise CacheError(f"Producer {b.get('producer')} of the spool {self.spool} stopped: {b.get('error')} "
+                                 f"(its log: producer.{b.get('producer')}.log there, or its terminal). Fix that and rerun "
+                                 "training with the producers: it resumes from its last checkpoint.")
+
     def _producers(self) -> str:
         beats = sorted(self.spool.glob("producer.*.json"))
         if not beats:
@@ -290,8 +302,8 @@ class SpoolDataset:
         now, parts = time.time(), []
         for p in beats:
             b = read_json(p) or {}
-            parts.append(f"producer {b.get('producer', '?')} (pid {b.get('pid', '?')} on {b.get('host', '?')}) last seen "
-                         f"{now - b.get('time', 0):.0f} s ago, {b.get('produced', 0)} made")
+            parts.append(f"producer {b.get('producer', '?')} (pid {b.get('pid', '?')} on {b.get('host', '?')}, {b.get('state', '?')}) "
+                         f"last seen {now - b.get('time', 0):.0f} s ago, {b.get('produced', 0)} made")
         return "; ".join(parts)
 
     def _stalled(self, i: int, waited: float) -> str:

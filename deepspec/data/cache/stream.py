@@ -86,9 +86,18 @@ class Producer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, max_idle_s: float | None = None) -> dict[str, Any]:
+        self._heartbeat("starting", force=True)  # a trainer that waits names us from the first second
+        try:
+            return self._run(max_idle_s)
+        except Exception as e:  # noqa: BLE001 - a trainer waiting for this producer's samples stops with this sentence
+            self.stats["error"] = str(e)
+            raise
+        finally:
+            self._heartbeat("failed" if "error" in self.stats else "stopped", force=True)
+
+    def _run(self, max_idle_s: float | None) -> dict[str, Any]:
         from deepspec.train.batches import BatchPlan
 
-        self._heartbeat("starting", force=True)  # a trainer that waits names us from the first second
         tokenizer, tconf = _load_plan_inputs(self.cfg)
         plan = make_plan(self.cfg, "train", tokenizer, tconf)
         doc = self._wait_for_trainer(plan, max_idle_s)
@@ -126,7 +135,6 @@ class Producer:
                 self._heartbeat("producing")
         finally:
             close()
-            self._heartbeat("stopped", force=True)
         return self.stats
 
     def _wait_for_trainer(self, plan, max_idle_s: float | None) -> dict[str, Any] | None:
