@@ -128,6 +128,8 @@ class CacheConfig:
     stream_producers: int = 1
     # A trainer rank that waits this long for one sample stops with a sentence naming the producers.
     stream_timeout_s: float = 1800.0
+    # Keep every streamed sample (<spool>/kept, outside spool_gb) and write them as the offline train cache at the end.
+    spool_keep: bool = False
 
     def validate(self) -> None:
         if self.max_length < 8:

@@ -13,7 +13,7 @@ Layout of a spool folder (local disk, or a filesystem every node mounts):
 * ``<index>.rec`` — one sample: a short JSON header (its plan index, id, tokens, layers, width, dtype, producer),
   then the cache's own record encoding (deepspec/data/cache/format.py), read with the cache's own views. Written
   under a temporary name and renamed when complete, so a killed producer never leaves a record a trainer trusts.
-  The rank that reads a record deletes it.
+  The rank that reads a record deletes it (or, with `cache.spool_keep`, moves it to ``kept/``: keep.py).
 * ``producer.<w>.json`` — each producer's heartbeat: what it made, the spool bytes it holds and its peak, how long
   it waited for the trainer or for room.
 * ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact.
@@ -168,8 +168,9 @@ class SpoolDataset:
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
 
     def __init__(self, spool: str | Path, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
-                 timeout_s: float = 1800.0, poll_s: float = 0.05):
+                 timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):
         self.spool = Path(spool)
+        self.keep = keep  # move read records to kept/ (deepspec/data/cache/keep.py) instead of deleting them
         self.global_batch = global_batch
         self.plan = plan
         self.rank, self.world = rank, world
@@ -267,9 +268,11 @@ class SpoolDataset:
         if header["index"] != i or header["id"] != sample.id or header["length"] != sample.length:
             raise CacheError(f"{path} holds sample {header['id']!r} ({header['length']} tokens), the plan says {sample.id!r} "
                              f"({sample.length}); the spool {self.spool} is shared with another run — give each run its own cache.spool_dir.")
-        path.unlink(missing_ok=True)
-        if k is not None:
+        from deepspec.data.cache.keep import consume
+
+        if k is not None:  # before the delete: a producer that then finds the record gone also finds it consumed
             self._publish(k + 1)
+        consume(path, self.keep)
         self._note(i, header)
         if k is not None:
             with self._lock:

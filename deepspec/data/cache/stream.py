@@ -110,14 +110,26 @@ class Producer:
         self._adopt()
         log.info("producer %d of %d: %d samples planned, spool %s, %s of its %s cap", self.w, self.n,
                  len(plan.samples), self.spool, _size(self.budget), _size(self.cfg.cache.spool_gb * 1e9))
+        live = False  # seen this trainer before its end: a run already finished when we came is not ours to end
         try:
-            while self._parent_alive():
+            while True:
                 fresh = sp.read_json(self.spool / sp.PLAN)
                 if fresh is not None and fresh.get("started") != doc.get("started"):  # the trainer restarted
                     sp.check_plan(fresh, plan, self.spool)
-                    doc = fresh
-                if self._trainer_done(doc):
+                    doc, live = fresh, False
+                if not self._parent_alive():
                     break
+                if self._trainer_done(doc):
+                    if not live:
+                        self._idle("the trainer's run had finished: waiting for the next one")
+                        continue
+                    for i in list(self.held):  # nothing of ours will be read any more
+                        sp.record_path(self.spool, i).unlink(missing_ok=True)
+                        del self.held[i]
+                    if self.cfg.cache.spool_keep:
+                        self._complete_kept(plan, featurize, tokenizer, tconf)
+                    break
+                live = True
                 cursors = sp.trainer_cursors(self.spool, int(doc["world"]))
                 if cursors is None:
                     self._idle("waiting for the trainer's position")
@@ -125,6 +137,13 @@ class Producer:
                 self._refresh()
                 want = self._window(order, lengths, cursors, int(doc["total_steps"]))
                 missing = [(k, i) for k, i in want if not sp.record_path(self.spool, i).exists()]
+                # a record gone since the cursors were read may have been consumed: the reader publishes its next
+                # position before it deletes, so cursors read after the existence checks tell
+                cursors = sp.trainer_cursors(self.spool, int(doc["world"])) or cursors
+                G, world = order.global_batch, len(cursors)
+                missing = [(k, i) for k, i in missing if k >= cursors[k % G % world]]
+                if self.cfg.cache.spool_keep:  # kept from an earlier read: linked back, no target forward
+                    missing = [(k, i) for k, i in missing if not self._restore(i)]
                 todo = self._fit(missing, want, plan) if missing else []
                 if not todo:
                     self._idle("ahead of the trainer" if not missing else "waiting for room in the spool", room=bool(missing))
@@ -170,6 +189,35 @@ class Producer:
                     out.append((k, i))
         return out
 
+    def _restore(self, index: int) -> bool:
+        from deepspec.data.cache.keep import restore
+
+        nb = restore(self.spool, index)
+        if nb:
+            self.held[index] = nb
+            self.stats["restored"] = self.stats.get("restored", 0) + 1
+        return nb > 0
+
+    def _complete_kept(self, plan, featurize, tokenizer, tconf) -> None:
+        """After the trainer's last read: make this producer's share of the samples it never read straight into kept/,
+        then (producer 0) write every kept record as the offline train cache once the others are done too."""
+        from deepspec.data.cache.keep import KEPT, kept_path, write_cache
+
+        kept = self.spool / KEPT
+        kept.mkdir(exist_ok=True)
+        todo = [i for i in range(len(plan.samples)) if i % self.n == self.w and not kept_path(self.spool, i).exists()]
+        self._heartbeat("making the samples the trainer never read, for the kept cache", force=True)
+        for a in range(0, len(todo), 64):
+            self._produce(plan, todo[a : a + 64], featurize, tokenizer, folder=kept)
+        if self.w != 0:
+            return
+        while not all(kept_path(self.spool, i).exists() for i in range(len(plan.samples))):
+            if not self._parent_alive():
+                return
+            self._idle("waiting for the other producers' kept samples")
+        self._heartbeat("writing the kept cache", force=True)
+        write_cache(self.cfg, plan, self.spool, tconf)
+
     def _fit(self, missing: list[tuple[int, int]], want: list[tuple[int, int]], plan) -> list[int]:
         """The next missing samples, in plan order, that fit this producer's share of the cap (one batch's worth of
         tokens at most); makes room by deleting its records furthest ahead (or no longer wanted) when the first
@@ -198,17 +246,18 @@ class Producer:
             pending += nb
         return todo
 
-    def _produce(self, plan, todo: list[int], featurize, tokenizer) -> None:
+    def _produce(self, plan, todo: list[int], featurize, tokenizer, folder: Path | None = None) -> None:
         samples = materialize(plan, [plan.samples[i] for i in todo], tokenizer)
         index_of = {id(s): i for s, i in zip(samples, todo)}
         for batch in _batches(sorted(samples, key=lambda s: len(s.input_ids)), self.cfg.cache.batch_tokens):
             for sample, feats in featurize(batch):
-                self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype))
+                self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype), folder)
 
-    def _write(self, plan, index: int, sample: Sample, data: bytes) -> None:
-        nb = sp.write_record(self.spool, index, sample.id, data, length=len(sample.input_ids), n_layers=plan.n_layers,
+    def _write(self, plan, index: int, sample: Sample, data: bytes, folder: Path | None = None) -> None:
+        nb = sp.write_record(folder or self.spool, index, sample.id, data, length=len(sample.input_ids), n_layers=plan.n_layers,
                              hidden=plan.hidden_size, dtype=plan.dtype, truncated=sample.truncated, producer=self.w)
-        self.held[index] = nb
+        if folder is None:
+            self.held[index] = nb
         self.stats["produced"] += 1
         self.stats["tokens"] += len(sample.input_ids)
         self.stats["bytes"] += nb
@@ -247,11 +296,12 @@ def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen
     return procs
 
 
-def stop_local_producers(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
-    deadline = time.monotonic() + grace_s
+def stop_local_producers(procs: list[subprocess.Popen], grace_s: float | None = 30.0) -> None:
+    """Wait for the producers to finish (at most `grace_s`, None: as long as they take), then stop them."""
+    deadline = None if grace_s is None else time.monotonic() + grace_s
     for p in procs:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.wait(timeout=None if deadline is None else max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.terminate()
             try:
@@ -284,7 +334,8 @@ def open_stream_datasets(cfg, info):
         sp.write_json(spool / sp.PLAN, {**doc, "world": info.world})
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
-            atexit.register(stop_local_producers, procs)
+            # with spool_keep they still write the offline cache after the last read: wait for them, however long
+            atexit.register(stop_local_producers, procs, None if cfg.cache.spool_keep else 30.0)
         else:
             log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
                      "(the same recipe and --opts); spool %s", spool)
@@ -292,7 +343,7 @@ def open_stream_datasets(cfg, info):
         dist.barrier()
     _, _, rows = tap_rows(cfg, tconf)
     train = sp.SpoolDataset(spool, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
-                            timeout_s=cfg.cache.stream_timeout_s)
+                            timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
     val = None
     from deepspec.data.cache.format import is_complete
 

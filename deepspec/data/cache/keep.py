@@ -1,0 +1,108 @@
+"""Keeping what a streamed run streamed (`cache.spool_keep: true`): the rank that reads a record moves it to
+`<spool>/kept/` instead of deleting it; a producer asked for that sample again (the next epoch, a resumed trainer)
+hard-links it back instead of running the target; when the trainer is done, the producers make the samples its plan
+never read (the ragged tail of each epoch), and producer 0 writes every kept record as the offline train cache
+(`<cache.dir>/train`: the shards, index, token counts and manifest a `deepspec data cache` build writes). The next
+run of the recipe with `cache.mode: offline` trains from it. The kept folder grows to the whole cache: it is not
+counted in `cache.spool_gb`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from deepspec.data.cache import format as fmt
+from deepspec.data.cache import spool as sp
+from deepspec.errors import CacheError
+from deepspec.log import get_logger
+
+log = get_logger(__name__)
+
+KEPT = "kept"
+
+
+def kept_path(spool: Path, index: int) -> Path:
+    return spool / KEPT / f"{index}{sp.SUFFIX}"
+
+
+def consume(path: Path, keep: bool) -> None:
+    """A record the trainer has read: deleted, or moved to kept/ (once: a copy already kept is the same bytes)."""
+    if keep:
+        dst = path.parent / KEPT / path.name
+        dst.parent.mkdir(exist_ok=True)
+        if not dst.exists():
+            os.replace(path, dst)
+            return
+    path.unlink(missing_ok=True)
+
+
+def restore(spool: Path, index: int) -> int:
+    """Put a kept record back into the spool (a hard link: no bytes copied where the filesystem links); returns its
+    size, 0 when it was never kept."""
+    src = kept_path(spool, index)
+    if not src.exists():
+        return 0
+    dst = sp.record_path(spool, index)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return src.stat().st_size
+
+
+def write_cache(cfg, plan, spool: Path, target_config) -> Path:
+    """Every kept record, in the plan's shards and order, as the offline train cache; returns its folder."""
+    from deepspec.config import save_config
+    from deepspec.data.cache.writer import _plan_check, finalize, shard_done
+
+    directory = Path(cfg.cache_train_dir)
+    if fmt.is_complete(directory):
+        log.info("kept records: %s is already a complete cache", directory)
+        return directory
+    missing = [s.id for i, s in enumerate(plan.samples) if not kept_path(spool, i).exists()]
+    if missing:
+        raise CacheError(f"{len(missing)} planned samples (e.g. {missing[0]!r}) are not in {spool / KEPT}; "
+                         "rerun `deepspec data stream` with cache.spool_keep=true to make them.")
+    directory.mkdir(parents=True, exist_ok=True)
+    _plan_check(directory, plan)
+    for s, (a, b) in enumerate(plan.shards):
+        if shard_done(directory, plan, s):
+            continue
+        rows = np.zeros(b - a, dtype=fmt.INDEX_DTYPE)
+        counts = np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
+        bin_path = directory / fmt.shard_name(s)
+        tmp = bin_path.with_name(bin_path.name + ".tmp")
+        offset = 0
+        with open(tmp, "wb") as f:
+            for j in range(a, b):
+                header, data = sp.read_record(kept_path(spool, j), verify=True)
+                sample = plan.samples[j]
+                if header["id"] != sample.id or header["length"] != sample.length:
+                    raise CacheError(f"{kept_path(spool, j)} holds {header['id']!r}, the plan says {sample.id!r}; "
+                                     "the kept folder belongs to another run — remove it.")
+                ids, mask, _, _ = fmt.record_views(data, 0, sample.length, plan.n_layers, plan.hidden_size, plan.dtype)
+                lm = ids.numpy()[mask.numpy().astype(bool)].astype(np.int64)
+                if len(lm) and lm.max() >= len(counts):
+                    counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
+                np.add.at(counts, lm, 1)
+                rows[j - a] = (s, offset, sample.length, len(data), zlib.crc32(data), len(lm), int(header["truncated"]))
+                f.write(data)
+                offset += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, bin_path)
+        fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
+        fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)
+    save_config(cfg, directory)
+    finalize(directory, plan, {"target_architecture": (getattr(target_config, "architectures", None) or ["?"])[0],
+                               "target_num_layers": target_config.num_hidden_layers, "vocab_size": plan.vocab_size,
+                               "made_by": "cache.mode=stream with cache.spool_keep"})
+    log.info("the streamed run's kept records are now the offline train cache %s", directory)
+    return directory
