@@ -147,23 +147,12 @@ def trainer_cursors(spool: Path, world: int) -> list[int] | None:
     return cursors
 
 
-def spool_bytes(spool: Path) -> int:
-    """Bytes of every record and record in progress in the folder."""
-    total = 0
-    for e in os.scandir(spool):
-        if e.name.endswith(SUFFIX) or e.name.endswith(".rec.tmp") or (e.name.endswith(".tmp") and SUFFIX in e.name):
-            try:
-                total += e.stat().st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
 class SpoolDataset:
     """The training samples of a streamed run: `dataset[i]` waits for sample i's record in the spool, reads it as the
     cache reader reads a record (same item layout), deletes it and notes it in this rank's ledger.
 
-    The trainer's loader tells it which step it is loading (`follow`), so the producers know what to make next."""
+    The trainer's loader hands it the schedule first (`follow`), so each read knows its plan position and publishes
+    it: the producers know what to make next."""
 
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
 
