@@ -19,18 +19,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_train import _conversation  # the trainer tests' conversations
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12  # two epochs of 6 steps (24 samples, global batch 4)
 GLOBAL = 4
 CAP_GB = 0.0001  # 100 kB: a few of the tiny target's records
-
-
-def _conversation(rng: random.Random, i: int) -> dict:
-    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
-    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
-    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 24)))
-    return {"id": f"s{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ count (the samples of a step and the token-weighted gradient do not); with micro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from dataclasses import dataclass
@@ -24,6 +25,14 @@ import torch
 from deepspec.drafts.base import DraftBatch
 from deepspec.errors import ConfigError
 from deepspec.train.buffers import POOL
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's sample order (read-only): drawn once, not once per step (a streamed run's producers ask for
+    several steps' batches many times a second; a 1M-sample randperm costs ~10 ms)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_samples, generator=g)
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,7 @@ class BatchPlan:
 
     def global_indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        perm = torch.randperm(self.num_samples, generator=g)
+        perm = _epoch_permutation(self.num_samples, self.seed, epoch)
         return perm[within * self.global_batch : (within + 1) * self.global_batch].tolist()
 
     def read_order(self, step: int, lengths: Sequence[int] | None) -> list[int]:

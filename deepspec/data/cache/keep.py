@@ -60,7 +60,7 @@ def restore(spool: Path, index: int) -> int:
 def write_cache(cfg, plan, spool: Path, target_config) -> Path:
     """Every kept record, in the plan's shards and order, as the offline train cache; returns its folder."""
     from deepspec.config import save_config
-    from deepspec.data.cache.writer import _plan_check, finalize, shard_done
+    from deepspec.data.cache.writer import _plan_check, commit_shard, count_loss_tokens, finalize, shard_done, target_identity
 
     directory = Path(cfg.cache_train_dir)
     if fmt.is_complete(directory):
@@ -77,8 +77,7 @@ def write_cache(cfg, plan, spool: Path, target_config) -> Path:
             continue
         rows = np.zeros(b - a, dtype=fmt.INDEX_DTYPE)
         counts = np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
-        bin_path = directory / fmt.shard_name(s)
-        tmp = bin_path.with_name(bin_path.name + ".tmp")
+        tmp = directory / (fmt.shard_name(s) + ".tmp")
         offset = 0
         with open(tmp, "wb") as f:
             for j in range(a, b):
@@ -88,21 +87,14 @@ def write_cache(cfg, plan, spool: Path, target_config) -> Path:
                     raise CacheError(f"{kept_path(spool, j)} holds {header['id']!r}, the plan says {sample.id!r}; "
                                      "the kept folder belongs to another run — remove it.")
                 ids, mask, _, _ = fmt.record_views(data, 0, sample.length, plan.n_layers, plan.hidden_size, plan.dtype)
-                lm = ids.numpy()[mask.numpy().astype(bool)].astype(np.int64)
-                if len(lm) and lm.max() >= len(counts):
-                    counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
-                np.add.at(counts, lm, 1)
-                rows[j - a] = (s, offset, sample.length, len(data), zlib.crc32(data), len(lm), int(header["truncated"]))
+                counts = count_loss_tokens(counts, ids.numpy(), mask.numpy())
+                rows[j - a] = (s, offset, sample.length, len(data), zlib.crc32(data), int(mask.sum()), int(header["truncated"]))
                 f.write(data)
                 offset += len(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, bin_path)
-        fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
-        fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)
+        commit_shard(directory, s, tmp, counts, rows)
     save_config(cfg, directory)
-    finalize(directory, plan, {"target_architecture": (getattr(target_config, "architectures", None) or ["?"])[0],
-                               "target_num_layers": target_config.num_hidden_layers, "vocab_size": plan.vocab_size,
-                               "made_by": "cache.mode=stream with cache.spool_keep"})
+    finalize(directory, plan, {**target_identity(target_config, plan), "made_by": "cache.mode=stream with cache.spool_keep"})
     log.info("the streamed run's kept records are now the offline train cache %s", directory)
     return directory

@@ -123,9 +123,7 @@ def check_plan(doc: dict[str, Any], plan, spool: Path) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -165,8 +163,6 @@ class SpoolDataset:
         self.rank, self.world = rank, world
         self.taps, self.rows = list(taps), rows
         self.hidden_size = plan.hidden_size
-        self.tap_width = plan.hidden_size * rows
-        self.n_layers = plan.n_layers
         self.dtype = plan.dtype
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.lengths = np.array([s.length for s in plan.samples], dtype=np.int64)

@@ -148,6 +148,15 @@ def tap_rows(cfg, target_config) -> tuple[int, str, int]:
     return hc_mult, reduction, tap_width(target_config.hidden_size, hc_mult, reduction) // target_config.hidden_size
 
 
+def count_loss_tokens(counts: np.ndarray, input_ids, loss_mask) -> np.ndarray:
+    """Add one sample's loss-masked token ids to `counts` (grown when an id is past its end); returns the counts."""
+    lm = np.asarray(input_ids, dtype=np.int64)[np.asarray(loss_mask).astype(bool)]
+    if len(lm) and lm.max() >= len(counts):
+        counts = np.pad(counts, (0, int(lm.max()) + 1 - len(counts)))
+    np.add.at(counts, lm, 1)
+    return counts
+
+
 def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool = False) -> Plan:
     """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes.
     `count_tokens`: also count the loss-masked tokens (what the shards count when a cache is built)."""
@@ -178,10 +187,7 @@ def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool =
         counts["tokens"] += len(r.input_ids)
         counts["loss_tokens"] += n_loss
         if token_counts is not None:
-            lm = np.asarray(r.input_ids, dtype=np.int64)[np.asarray(r.loss_mask, dtype=bool)]
-            if len(lm) and lm.max() >= len(token_counts):
-                token_counts = np.pad(token_counts, (0, int(lm.max()) + 1 - len(token_counts)))
-            np.add.at(token_counts, lm, 1)
+            token_counts = count_loss_tokens(token_counts, r.input_ids, r.loss_mask)
     if not samples:
         raise DataError(
             f"No sample in {src} has >= cache.min_loss_tokens={cc.min_loss_tokens} assistant tokens "
@@ -340,9 +346,14 @@ def _write_shard(directory: Path, plan: Plan, s: int, featurize, bar, tokenizer)
     by_length = sorted(samples, key=lambda x: len(x.input_ids))
     with room_for(bin_path, plan.shard_bytes(s), "the cache shard"):
         counts = _capture_shard(tmp, by_length, plan, s, featurize, bar, rows, counts, row_of)
-        os.replace(tmp, bin_path)
-        fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
-        fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)  # last: marks the shard done
+        commit_shard(directory, s, tmp, counts, rows)
+
+
+def commit_shard(directory: Path, s: int, tmp: Path, counts: np.ndarray, rows: np.ndarray) -> None:
+    """A complete, fsynced shard file into place, then its counts, then its index (last: marks the shard done)."""
+    os.replace(tmp, directory / fmt.shard_name(s))
+    fmt.write_npy_atomic(directory / f"shard_{s:05d}.counts.npy", counts)
+    fmt.write_npy_atomic(directory / f"shard_{s:05d}.idx.npy", rows)
 
 
 def _capture_shard(tmp: Path, by_length: list[Sample], plan: Plan, s: int, featurize, bar, rows, counts, row_of) -> np.ndarray:
@@ -441,10 +452,7 @@ class _RecordWriter:
         n_loss = int(sample.loss_mask.sum())
         self.rows[self.row_of[id(sample)]] = (self.shard, self.offset, len(sample.input_ids), len(data), zlib.crc32(data), n_loss,
                                               int(sample.truncated))
-        lm = sample.input_ids[sample.loss_mask.astype(bool)]
-        if len(lm) and lm.max() >= len(self.counts):
-            self.counts = np.pad(self.counts, (0, int(lm.max()) + 1 - len(self.counts)))
-        np.add.at(self.counts, lm, 1)
+        self.counts = count_loss_tokens(self.counts, sample.input_ids, sample.loss_mask)
         self.offset += len(data)
 
     def close(self) -> np.ndarray:
@@ -560,6 +568,12 @@ def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSess
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         model = load_target_from_config(cfg.target, device=device).model
     return (lambda batch: stored_features(model, batch, taps, reduction, plan.dtype)), (lambda: None)
+
+
+def target_identity(target_config, plan: Plan) -> dict[str, Any]:
+    """What a cache manifest records of the target beside the plan's signature."""
+    return {"target_architecture": (getattr(target_config, "architectures", None) or ["?"])[0],
+            "target_num_layers": target_config.num_hidden_layers, "vocab_size": plan.vocab_size}
 
 
 def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -751,13 +765,8 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
                 raise CacheError(f"A cache worker died ({e}); rerun the same command to resume.") from None
             return directory  # rank 0 of the workers finalized it
     if rank_env == 0:
-        target_id = {
-            "target_architecture": (getattr(tconf, "architectures", None) or ["?"])[0],
-            "target_num_layers": tconf.num_hidden_layers,
-            "vocab_size": plan.vocab_size,
-        }
         save_config(cfg, directory)
-        finalize(directory, plan, target_id)  # the manifest goes last
+        finalize(directory, plan, target_identity(tconf, plan))  # the manifest goes last
         log.info("cache %s complete: %s", split, directory)
     if world_env > 1:
         _barrier()
