@@ -41,5 +41,21 @@ fi
 # No flash-attn: nothing imports it (attention runs on PyTorch's SDPA kernels and FlexAttention), and it has no wheel
 # for this torch, so pip would compile it from source for hours.
 $PIP install -q --no-deps -e "$ROOT"
+# Mooncake's store library (cache.spool_transport: mooncake) links libibverbs even over TCP. Where the system lacks it,
+# unpack the distribution's packages into the venv (no root needed); deepspec loads them from there by path.
+SYS="$VENV/lib/deepspec-sys"
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' && [ -z "$(find "$SYS" -name libibverbs.so.1 2>/dev/null)" ]; then
+  if command -v apt-get >/dev/null 2>&1 && command -v dpkg-deb >/dev/null 2>&1; then
+    DEBS="$(mktemp -d)"
+    if (cd "$DEBS" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1); then
+      for deb in "$DEBS"/*.deb; do dpkg-deb -x "$deb" "$SYS"; done
+    else
+      echo "[setup] could not fetch libibverbs1: install it for the Mooncake spool transport (its tests are skipped)"
+    fi
+    rm -rf "$DEBS"
+  else
+    echo "[setup] no libibverbs1 and no apt-get: install libibverbs1 for the Mooncake spool transport (its tests are skipped)"
+  fi
+fi
 echo "$WANT" > "$STAMP"
 echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -253,6 +253,106 @@ def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recip
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(5, STEPS + 1)), (got, ref)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(tmp_path_factory) -> list[str]:
+    """A Mooncake master with its HTTP metadata service on 127.0.0.1 (scripts/data/mooncake_master.sh), for the test
+    that needs it; the --opts that point a recipe at it."""
+    import socket
+
+    from deepspec.data.cache.channel import import_mooncake
+    from deepspec.errors import CacheError
+
+    try:
+        import_mooncake()
+    except CacheError as e:
+        pytest.skip(str(e))
+    port, meta = _free_port(), _free_port()
+    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")
+    master = subprocess.Popen(["bash", str(REPO / "scripts/data/mooncake_master.sh"), "--host", "127.0.0.1", "--port", str(port),
+                               "--metadata-port", str(meta), "--metrics-port", str(_free_port())],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def up() -> bool:
+        for p in (port, meta):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", p)) != 0:
+                    return False
+        return True
+
+    try:
+        _wait(up, 60, "mooncake_master")
+        yield ["cache.spool_transport=mooncake", f"cache.mooncake_master=127.0.0.1:{port}",
+               f"cache.mooncake_metadata=http://127.0.0.1:{meta}/metadata"]
+    finally:
+        os.killpg(master.pid, signal.SIGKILL)
+        master.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_a_mooncake_spool_trains_like_the_offline_cache_and_survives_a_killed_producer(recipe, reference, mooncake_store):
+    """The spool in a Mooncake store (cache.spool_transport=mooncake, over TCP): records, plan, positions and heartbeats
+    travel through the store, not the spool folder. A producer is SIGKILLed mid-epoch: its records leave with its
+    memory segment, the trainer waits, a new producer makes again what was not read, and training ends with the
+    offline run's losses and every sample read exactly once per epoch."""
+    import threading
+
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+    from deepspec.train import train
+
+    opts = [*_opts("mooncake", 0), *mooncake_store]
+    cfg = load_config(recipe, opts)
+    spool = spool_dir(cfg)
+    spool.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, object] = {}
+
+    def producers() -> None:  # beside the trainer: one producer, killed after 10 reads, then its replacement
+        first = _producer(recipe, opts)
+        try:
+            _wait(lambda: len(_reads(spool)) >= 10, 180, "10 reads")
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+
+            def stalled():
+                n = len(_reads(spool))
+                time.sleep(2.0)
+                return n == len(_reads(spool)) and n + 1
+
+            seen["stalled_at"] = _wait(stalled, 60, "the trainer to stall") - 1
+            second = _producer(recipe, opts)
+            seen["second"] = second.communicate(timeout=300)
+            seen["rc"] = second.returncode
+        except BaseException as e:  # noqa: BLE001 - reported by the test body
+            seen["error"] = e
+            if first.poll() is None:
+                first.kill()
+
+    helper = threading.Thread(target=producers, daemon=True)
+    helper.start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.cuda.is_available", lambda: False)
+        train(cfg)
+    helper.join(timeout=120)
+    assert "error" not in seen, seen.get("error")
+    assert seen["stalled_at"] < STEPS * GLOBAL and seen["rc"] == 0, seen
+    stats = json.loads(seen["second"][0].strip().splitlines()[-1])
+    assert 0 < stats["produced"] < STEPS * GLOBAL and stats["peak_bytes"] <= CAP_GB * 1e9, stats
+    _assert_each_sample_once_per_epoch(cfg, spool)
+    ref, got = _losses(reference), _losses(cfg.run_dir)
+    assert set(got) == set(ref) and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (got, ref)
+    # nothing of the spool but the ledger (and the producers' logs) touched the folder
+    assert not list(spool.glob("*.rec")) and not list(spool.glob("pos.*")) and not list(spool.glob("producer.*.json"))
+
+
 @pytest.mark.timeout(600)
 def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, monkeypatch, one_torch_thread):
     """The V4-Flash DFlash recipe (4 residual streams concatenated per tap) streamed end to end on tiny-mhc: the cache
@@ -307,6 +407,7 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     a spool share that cannot hold one sample names the sizes and cache.spool_gb."""
     from deepspec.config import load_config
     from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.channel import FileChannel
     from deepspec.data.cache.stream import Producer
     from deepspec.data.cache.writer import plan_split
     from deepspec.errors import CacheError
@@ -315,7 +416,7 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     spool.mkdir()
     cfg = load_config(recipe, ["cache.mode=stream"])
     plan = plan_split(cfg, "train")
-    sp.write_json(spool / sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=GLOBAL, total_steps=STEPS, bucketing="length"), "world": 1})
+    sp.put_json(FileChannel(spool), sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=GLOBAL, total_steps=STEPS, bucketing="length"), "world": 1})
     other = load_config(recipe, ["cache.mode=stream", "model.target_layer_ids=[1,2,4]"])
     with pytest.raises(CacheError, match=r"planned taps=\[0, 2, 4\] but this producer's recipe gives \[1, 2, 4\]"):
         Producer(other, spool=spool).run(max_idle_s=5)
@@ -326,6 +427,27 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
         with pytest.raises(CacheError, match=r"needs [\d.]+ kB in the spool but each of the 1 producer\(s\) may hold 1\.0 kB \(cache.spool_gb=1e-06 / producers\); raise"):
             Producer(tiny, spool=spool).run(max_idle_s=5)
     assert not list(spool.glob("*.rec"))
+
+
+def test_a_full_disk_under_the_spool_is_one_sentence_and_leaves_no_partial_record(tmp_path):
+    """The spool's cap counts the spool, not what else fills its disk: a write that runs out of room (here a file-size
+    limit, as `ulimit -f` sets) stops the producer with a sentence naming the record, and no partial file remains."""
+    code = f"""
+import resource, signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from pathlib import Path
+from deepspec.data.cache import spool as sp
+from deepspec.data.cache.channel import FileChannel
+sp.write_record(FileChannel({str(tmp_path)!r}), 0, "small", b"x" * 1000, length=1, n_layers=1, hidden=1, dtype="bf16", truncated=False, producer=0)
+sp.write_record(FileChannel({str(tmp_path)!r}), 1, "big", b"x" * 100000, length=1, n_layers=1, hidden=1, dtype="bf16", truncated=False, producer=0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode != 0 and "DiskFullError: No room to write the streamed record" in out.stderr, out.stderr[-2000:]
+    assert "lower cache.spool_gb" in out.stderr
+    from deepspec.data.cache import spool as sp
+
+    assert sp.record_path(tmp_path, 0).is_file() and not sp.record_path(tmp_path, 1).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [sp.record_path(tmp_path, 0).name]  # no temporary left
 
 
 @pytest.mark.slow
@@ -341,6 +463,7 @@ def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_
 
     from deepspec.config import config_from_dict
     from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.channel import FileChannel
     from deepspec.data.cache.format import record_item
     from deepspec.data.cache.reader import CacheDataset
     from deepspec.data.cache.stream import Producer
@@ -364,7 +487,7 @@ def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_
     plan = plan_split(cfg, "train")
     spool = tmp_path / "spool"
     spool.mkdir()
-    sp.write_json(spool / sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=2, total_steps=2, bucketing="length"), "world": 1})
+    sp.put_json(FileChannel(spool), sp.PLAN, {**sp.plan_document(plan, seed=0, global_batch=2, total_steps=2, bucketing="length"), "world": 1})
     (spool / "pos.0").write_text("0")  # a trainer at the start of its plan
     stats: dict = {}
     producer = threading.Thread(target=lambda: stats.update(Producer(cfg, spool=spool).run()))

@@ -624,16 +624,16 @@ class _Scalar(torch.nn.Module):
         return loss, metrics
 
 
-def _scalar_run(tmp_path: Path, own_weight: bool) -> dict:
+def _scalar_run(tmp_path: Path, own_weight: bool, mode: str = "tokens", supervised: int = 6) -> dict:
     from deepspec.config import load_config
     from deepspec.train import train
     from deepspec.train.loop import TrainParts
 
-    # two samples: c = 1 with 6 supervised tokens, c = 3 with 2
+    # two samples: c = 1 with 6 tokens (the first `supervised` of them supervised), c = 3 with 2 supervised tokens
     data = [
-        {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool), "taps": torch.full((n, 1, 1), c),
+        {"input_ids": torch.arange(n), "loss_mask": torch.arange(n) < k, "taps": torch.full((n, 1, 1), c),
          "final_hidden": torch.zeros(n, 1)}
-        for n, c in ((6, 1.0), (2, 3.0))
+        for n, k, c in ((6, supervised, 1.0), (2, 2, 3.0))
     ]
 
     def write(directory: Path, weights) -> None:
@@ -643,7 +643,8 @@ def _scalar_run(tmp_path: Path, own_weight: bool) -> dict:
         save_file(weights, str(directory / "model.safetensors"))
 
     cfg = load_config(REPO / "config/quickstart/eagle3.yaml", [
-        f"output_root={tmp_path}", f"train.output_root={tmp_path / 'ckpt'}", f"exp=w{int(own_weight)}",
+        f"output_root={tmp_path}", f"train.output_root={tmp_path / 'ckpt'}", f"exp=w{int(own_weight)}-{mode}-{supervised}",
+        f"train.loss_normalization={mode}", "train.loss_tokens=assistant",
         "train.optimizer=adamw", "train.global_batch_size=2", "train.micro_batch_size=1", "train.max_steps=1",
         "train.log_every=1", "train.grad_clip=0", "logging.wandb=false", "logging.tensorboard=false", "logging.progress=false",
     ])
@@ -660,6 +661,19 @@ def test_a_drafts_own_loss_weight_replaces_the_token_count(tmp_path):
     assert "train/_loss_weight" not in own and own["train/c"] == pytest.approx(2.0)
     tokens = _scalar_run(tmp_path, False)  # weights 6 and 2: (6*1 + 2*9) / 8 = 3; grad (6*2 + 2*18) / 8 = 6
     assert tokens["train/loss"] == pytest.approx(3.0) and tokens["train/grad_norm"] == pytest.approx(6.0)
+
+
+def test_positions_normalisation_divides_each_micro_batch_by_its_positions(tmp_path):
+    """train.loss_normalization=positions (DeepSpec's per-B·T): each micro-batch's supervised sum over its B x T
+    positions, micro-batches averaged; `tokens` pools every supervised token. Sample one has 3 of 6 tokens
+    supervised (c = 1), sample two 2 of 2 (c = 3), one sample per micro-batch."""
+    tokens = _scalar_run(tmp_path, False, "tokens", supervised=3)  # (3*1 + 2*9) / 5; grad (3*2 + 2*18) / 5
+    assert tokens["train/loss"] == pytest.approx(4.2) and tokens["train/grad_norm"] == pytest.approx(8.4)
+    per_bt = _scalar_run(tmp_path, False, "positions", supervised=3)  # (3/6*1 + 2/2*9) / 2; grad (1 + 18) / 2
+    assert per_bt["train/loss"] == pytest.approx(4.75) and per_bt["train/grad_norm"] == pytest.approx(9.5)
+    # a draft's own weight (c) stands for its token count: c / positions, micro-batches averaged
+    own = _scalar_run(tmp_path, True, "positions", supervised=3)  # (1/6*1 + 3/2*9) / 2; grad (1/6*2 + 3/2*18) / 2
+    assert own["train/loss"] == pytest.approx((1 / 6 + 13.5) / 2) and own["train/grad_norm"] == pytest.approx((1 / 3 + 27) / 2)
 
 
 def test_truncate_jsonl_keeps_rows_up_to_the_checkpoint(tmp_path):

@@ -130,6 +130,14 @@ class CacheConfig:
     stream_timeout_s: float = 1800.0
     # Keep every streamed sample (<spool>/kept, outside spool_gb) and write them as the offline train cache at the end.
     spool_keep: bool = False
+    # Where the spool's records travel: `file` (cache.spool_dir: local disk or a filesystem every node mounts) or
+    # `mooncake` (a Mooncake store, over TCP or RDMA, for nodes that share no filesystem; docs/data.md).
+    spool_transport: Literal["file", "mooncake"] = "file"
+    mooncake_master: str = ""  # host:port of `mooncake_master`
+    mooncake_metadata: str = ""  # its metadata service, e.g. http://host:8080/metadata (mooncake_master --enable_http_metadata_server)
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = ""  # RDMA devices (e.g. mlx5_0); empty for tcp
+    mooncake_host: str = ""  # this machine's address as the others reach it; empty = the interface that routes to the master
 
     def validate(self) -> None:
         if self.max_length < 8:
@@ -139,5 +147,16 @@ class CacheConfig:
                 f"cache.spool_gb={self.spool_gb}, cache.stream_ahead={self.stream_ahead}, cache.stream_producers="
                 f"{self.stream_producers} and cache.stream_timeout_s={self.stream_timeout_s} must be positive (producers may be 0)."
             )
+        if self.spool_transport not in ("file", "mooncake"):
+            raise ConfigError(f"cache.spool_transport must be file or mooncake, got {self.spool_transport!r}.")
+        if self.spool_transport == "mooncake":
+            if not self.mooncake_master or not self.mooncake_metadata:
+                raise ConfigError("cache.spool_transport=mooncake needs cache.mooncake_master (host:port of mooncake_master) and "
+                                  "cache.mooncake_metadata (e.g. http://host:8080/metadata); docs/data.md shows how to start them.")
+            if self.spool_keep:
+                raise ConfigError("cache.spool_keep keeps records as files: use cache.spool_transport=file (a folder every node "
+                                  "mounts) for a run that should also leave the offline cache.")
+            if self.mooncake_protocol not in ("tcp", "rdma"):
+                raise ConfigError(f"cache.mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}.")
         if self.max_gb is not None and self.max_gb <= 0:
             raise ConfigError(f"cache.max_gb={self.max_gb} must be positive (or null for no limit but the free disk).")

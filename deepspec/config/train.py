@@ -40,6 +40,10 @@ class TrainConfig:
     # Which positions carry loss. `assistant`: the answer tokens (the cache's loss mask). `all`: prompt
     # tokens too — the labels are the target's distributions, valid everywhere; helps small datasets.
     loss_tokens: Literal["assistant", "all"] = "assistant"
+    # How micro-batches weigh in a step's loss (deepspec/train/weighting.py). `tokens`: the mean over every
+    # supervised token of the global batch. `positions`: each micro-batch's supervised sum over its B x T positions,
+    # micro-batches averaged (DeepSpec's per-B·T). Measured side by side in benchmarks/bench_loss_normalization.py.
+    loss_normalization: Literal["tokens", "positions"] = "tokens"
     grad_clip: float = 1.0
     # A step whose loss or gradient norm is NaN / inf is skipped (no weight update, logged with its samples); this
     # many in a row stop training with an error (0 = never stop). deepspec/train/guard.py
@@ -66,6 +70,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}.")
+        if self.loss_normalization not in ("tokens", "positions"):
+            raise ConfigError(f"train.loss_normalization must be tokens or positions, got {self.loss_normalization!r}.")
         if self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise ConfigError("train.global_batch_size and train.micro_batch_size must be >= 1.")
         if not 0 <= self.warmup_ratio < 1:

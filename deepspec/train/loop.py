@@ -43,17 +43,16 @@ from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_length
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
-from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, unwrap, wrap
+from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, wrap
 from deepspec.train.guard import NonFiniteGuard
 from deepspec.train.preemption import PreemptionWatch
 from deepspec.train.precision import resolve_precision, setup_precision
 from deepspec.train.loader import build_loader, resolve_processes
 from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
+from deepspec.train.weighting import micro_batch_weight
 
 log = get_logger(__name__)
-
-LOSS_WEIGHT_KEY = "_loss_weight"  # reserved metric: a draft's own weight for its micro-batch's mean loss
 
 # Fault injection (tests): rank 0 SIGKILLs itself right after finishing this step.
 _KILL_AFTER = int(os.environ["DEEPSPEC_TRAIN_KILL_AFTER_STEP"]) if os.environ.get("DEEPSPEC_TRAIN_KILL_AFTER_STEP") else None
@@ -221,12 +220,12 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 with ctx:
                     with autocast():
                         loss, metrics = wrapped(batch)
-                    weight = micro_batch_weight(metrics, n_tok)
+                    weight, share = micro_batch_weight(metrics, n_tok, batch.input_ids.numel(), tcfg.loss_normalization)
                     (loss.float() * weight).backward()
                 # accumulate on the device: no host sync per micro-batch or metric
                 weight = weight.detach().double() if isinstance(weight, torch.Tensor) else float(weight)
                 loss_sum = loss_sum + loss.detach().double() * weight
-                local_tokens += weight
+                local_tokens += share.detach().double() if isinstance(share, torch.Tensor) else share
                 tokens_seen += n_real
                 if not logged:
                     continue
@@ -235,7 +234,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                     metric_sums[k] = metric_sums[k] + pair if k in metric_sums else pair
             if sharded:
                 release_gathered(wrapped)  # FSDP2: the units stayed gathered through the step's micro-batches
-            # token-weighted mean over the global batch: DDP/FSDP averaged over `world`, undo and divide by N
+            # mean over the global batch (train/weighting.py): DDP/FSDP averaged over `world`, undo and divide by N
             stats = torch.stack([local_tokens, loss_sum])
             all_reduce_sum(stats)
             scale = (info.world / stats[0].clamp(min=1.0)).float()  # stays on the device
@@ -298,16 +297,6 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     if last_dir is None:
         last_dir = ckpt.latest_step_dir(run_dir)
     return last_dir
-
-
-def micro_batch_weight(metrics: dict[str, Any], n_tok: int) -> torch.Tensor | int:
-    """The weight of a micro-batch's mean loss: the draft's reserved `_loss_weight` metric when it reports one
-    (popped, so it is not logged), else the batch's supervised-token count."""
-    pair = metrics.pop(LOSS_WEIGHT_KEY, None)
-    if pair is None:
-        return n_tok
-    weight = pair[0] if isinstance(pair, (tuple, list)) else pair
-    return weight.float().reshape(()) if isinstance(weight, torch.Tensor) else float(weight)
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from deepspec.data.cache import format as fmt
 from deepspec.data.cache import spool as sp
+from deepspec.diskfull import room_for
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 
@@ -79,7 +80,8 @@ def write_cache(cfg, plan, spool: Path, target_config) -> Path:
         counts = np.zeros(max(plan.vocab_size, 1), dtype=np.int64)
         tmp = directory / (fmt.shard_name(s) + ".tmp")
         offset = 0
-        with open(tmp, "wb") as f:
+        with room_for(directory / fmt.shard_name(s), plan.shard_bytes(s), "the kept cache's shard",
+                      cleanup=lambda: tmp.unlink(missing_ok=True)), open(tmp, "wb") as f:
             for j in range(a, b):
                 header, data = sp.read_record(kept_path(spool, j), verify=True)
                 sample = plan.samples[j]

@@ -1,7 +1,8 @@
 """The spool of streamed training (`cache.mode: stream`): a bounded folder of one-sample records between capture
 producers (`deepspec data stream`) and the trainers, so a run needs no cache the size of its data.
 
-Layout of a spool folder (local disk, or a filesystem every node mounts):
+Layout of a spool (one folder on local disk or a filesystem every node mounts, or the same names in a Mooncake
+store across nodes: channel.py, cache.spool_transport):
 
 * ``plan.json`` — written by the trainer (rank 0) when it starts: the sample plan's signature (target, taps, stream
   reduction, dtype, data hash...), the hash of its sample ids and lengths, and the batch plan (seed, global batch,
@@ -16,7 +17,8 @@ Layout of a spool folder (local disk, or a filesystem every node mounts):
   The rank that reads a record deletes it (or, with `cache.spool_keep`, moves it to ``kept/``: keep.py).
 * ``producer.<w>.json`` — each producer's heartbeat: what it made, the spool bytes it holds and its peak, how long
   it waited for the trainer or for room.
-* ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact.
+* ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact
+  (always a file, in the rank's own spool folder).
 * ``done.<rank>`` — the rank read its last record (with its read count and how long it waited for producers);
   producers exit when every rank is done.
 
@@ -54,45 +56,55 @@ SUFFIX = ".rec"
 _HEADER_ROOM = 512  # the JSON header is padded to this many bytes, so records start aligned
 
 
+def record_name(index: int) -> str:
+    return f"{index}{SUFFIX}"
+
+
 def record_path(spool: Path, index: int) -> Path:
-    return spool / f"{index}{SUFFIX}"
+    return spool / record_name(index)
 
 
 def record_file_bytes(length: int, n_layers: int, hidden: int, dtype: str) -> int:
     return len(MAGIC) + _HEADER_ROOM + fmt.record_nbytes(length, n_layers, hidden, dtype)
 
 
-def write_record(spool: Path, index: int, sample_id: str, data: bytes, *, length: int, n_layers: int, hidden: int,
+def largest_record(plan) -> int:
+    """Bytes of the plan's largest record: what a store client must be able to stage at once."""
+    return max(record_file_bytes(s.length, plan.n_layers, plan.hidden_size, plan.dtype) for s in plan.samples)
+
+
+def write_record(channel, index: int, sample_id: str, data: bytes, *, length: int, n_layers: int, hidden: int,
                  dtype: str, truncated: bool, producer: int) -> int:
-    """Write one encoded record atomically (temporary name, fsync, rename); returns the bytes written."""
+    """Put one encoded record (all or nothing: a folder's is written under a temporary name, fsynced and renamed);
+    returns its bytes."""
     header = json.dumps({"index": index, "id": sample_id, "length": length, "n_layers": n_layers, "hidden": hidden,
                          "dtype": dtype, "nbytes": len(data), "crc32": zlib.crc32(data), "truncated": bool(truncated),
                          "producer": producer}).encode()
     if len(header) >= _HEADER_ROOM:
         raise CacheError(f"The spool header of sample {sample_id!r} is {len(header)} bytes (limit {_HEADER_ROOM}); shorten the sample id.")
-    path = record_path(spool, index)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + header.ljust(_HEADER_ROOM, b" ") + data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return len(MAGIC) + _HEADER_ROOM + len(data)
+    blob = MAGIC + header.ljust(_HEADER_ROOM, b" ") + data
+    channel.put(record_name(index), blob, durable=True, what="the streamed record")
+    return len(blob)
 
 
-def read_record(path: Path, verify: bool = False) -> tuple[dict[str, Any], bytearray]:
-    """(header, record bytes) of a spool record; raises FileNotFoundError while it is not there."""
-    with open(path, "rb") as f:
-        blob = bytearray(f.read())
+def parse_record(blob: bytes | bytearray, where: str, verify: bool = False) -> tuple[dict[str, Any], bytearray]:
+    """(header, record bytes) of a spool record's bytes; `where` names it in errors."""
+    blob = blob if isinstance(blob, bytearray) else bytearray(blob)
     if blob[: len(MAGIC)] != MAGIC or len(blob) < len(MAGIC) + _HEADER_ROOM:
-        raise CacheError(f"{path} is not a deepspec spool record; remove it (the producer makes it again).")
+        raise CacheError(f"{where} is not a deepspec spool record; remove it (the producer makes it again).")
     header = json.loads(bytes(blob[len(MAGIC) : len(MAGIC) + _HEADER_ROOM]).decode())
     data = blob[len(MAGIC) + _HEADER_ROOM :]
     if len(data) != header["nbytes"]:
-        raise CacheError(f"{path} holds {len(data)} record bytes, its header says {header['nbytes']}; remove it (it is made again).")
+        raise CacheError(f"{where} holds {len(data)} record bytes, its header says {header['nbytes']}; remove it (it is made again).")
     if verify and zlib.crc32(data) != header["crc32"]:
-        raise CacheError(f"{path} fails its checksum; remove it (it is made again).")
+        raise CacheError(f"{where} fails its checksum; remove it (it is made again).")
     return header, data
+
+
+def read_record(path: Path, verify: bool = False) -> tuple[dict[str, Any], bytearray]:
+    """(header, record bytes) of a record file; raises FileNotFoundError while it is not there."""
+    with open(path, "rb") as f:
+        return parse_record(bytearray(f.read()), str(path), verify)
 
 
 def plan_hash(plan) -> str:
@@ -109,7 +121,7 @@ def plan_document(plan, *, seed: int, global_batch: int, total_steps: int, bucke
             "started": time.time()}
 
 
-def check_plan(doc: dict[str, Any], plan, spool: Path) -> None:
+def check_plan(doc: dict[str, Any], plan, spool: str) -> None:
     """Refuse to produce for a trainer whose samples or features differ from this producer's recipe."""
     mine = plan.signature
     diff = [k for k in sorted(set(mine) | set(doc["signature"])) if mine.get(k) != doc["signature"].get(k)]
@@ -122,27 +134,34 @@ def check_plan(doc: dict[str, Any], plan, spool: Path) -> None:
                          "the regenerated data changed — give both the same data.")
 
 
-def write_json(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data))
+def put_json(channel, name: str, data: Any) -> None:
+    channel.put(name, json.dumps(data).encode())
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def get_json(channel, name: str) -> dict[str, Any] | None:
+    blob = channel.get(name)
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return None if blob is None else json.loads(blob)
+    except json.JSONDecodeError:
         return None
 
 
-def trainer_cursors(spool: Path, world: int) -> list[int] | None:
+def trainer_cursors(channel, world: int) -> list[int] | None:
     """Each trainer rank's next plan position (None until every rank has said): rank r reads the positions k with
     k % global_batch % world == r, and has consumed its ones before its cursor."""
     cursors = []
     for r in range(world):
+        blob = channel.get(f"pos.{r}")
         try:
-            cursors.append(int((spool / f"pos.{r}").read_text()))
-        except (FileNotFoundError, ValueError):
+            cursors.append(int(blob))
+        except (TypeError, ValueError):
             return None
     return cursors
+
+
+def heartbeats(channel) -> list[dict[str, Any]]:
+    """Every producer's last heartbeat."""
+    return [b for n in channel.names("producer.", ".json") if (b := get_json(channel, n)) is not None]
 
 
 class SpoolDataset:
@@ -154,9 +173,10 @@ class SpoolDataset:
 
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
 
-    def __init__(self, spool: str | Path, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
-                 timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):
-        self.spool = Path(spool)
+    def __init__(self, channel, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
+                 local: str | Path, timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):
+        self.channel = channel
+        self.local = Path(local)  # this rank's own folder: its ledger
         self.keep = keep  # move read records to kept/ (deepspec/data/cache/keep.py) instead of deleting them
         self.global_batch = global_batch
         self.plan = plan
@@ -218,23 +238,22 @@ class SpoolDataset:
 
     def _publish(self, k: int) -> None:
         """pos.<rank> = the plan position of this rank's next read: every position before it is consumed."""
-        write_text_atomic(self.spool / f"pos.{self.rank}", str(k))
+        self.channel.put(f"pos.{self.rank}", str(k).encode())
 
     def _finish(self) -> None:
-        write_json(self.spool / f"{DONE}.{self.rank}", {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)})
+        put_json(self.channel, f"{DONE}.{self.rank}", {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)})
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         k = self._position(i)
         if k is not None:
             self._publish(k)
-        path = record_path(self.spool, i)
+        name = record_name(i)
         t0, warned, said = time.monotonic(), 0.0, 0.0
         while True:
-            try:
-                header, data = read_record(path)
+            blob = self.channel.get(name)
+            if blob is not None:
+                header, data = parse_record(blob, f"{self.channel.where}/{name}")
                 break
-            except FileNotFoundError:
-                pass
             waited = time.monotonic() - t0
             if waited > self.timeout_s:
                 raise CacheError(self._stalled(i, waited))
@@ -251,13 +270,17 @@ class SpoolDataset:
         self.reads += 1
         sample = self.plan.samples[i]
         if header["index"] != i or header["id"] != sample.id or header["length"] != sample.length:
-            raise CacheError(f"{path} holds sample {header['id']!r} ({header['length']} tokens), the plan says {sample.id!r} "
-                             f"({sample.length}); the spool {self.spool} is shared with another run — give each run its own cache.spool_dir.")
-        from deepspec.data.cache.keep import consume
-
+            raise CacheError(f"{self.channel.where}/{name} holds sample {header['id']!r} ({header['length']} tokens), the plan "
+                             f"says {sample.id!r} ({sample.length}); the spool is shared with another run — give each run its own "
+                             "cache.spool_dir (or run.name).")
         if k is not None:  # before the delete: a producer that then finds the record gone also finds it consumed
             self._publish(k + 1)
-        consume(path, self.keep)
+        if self.keep:
+            from deepspec.data.cache.keep import consume
+
+            consume(record_path(self.channel.folder, i), True)
+        else:
+            self.channel.delete(name)
         self._note(i, header)
         if k is not None:
             with self._lock:
@@ -269,33 +292,31 @@ class SpoolDataset:
 
     def _note(self, i: int, header: dict[str, Any]) -> None:
         if self._ledger is None:
-            self._ledger = open(self.spool / f"ledger.{self.rank}.jsonl", "a")
+            self._ledger = open(self.local / f"ledger.{self.rank}.jsonl", "a")
         self._ledger.write(json.dumps({"index": i, "id": header["id"], "producer": header["producer"]}) + "\n")
         self._ledger.flush()
 
     def _fail_if_a_producer_failed(self) -> None:
         """A producer that stopped on an error (not one that was killed: that one is restarted) leaves its share of the
         samples unmade for good: stop now with its sentence rather than after cache.stream_timeout_s."""
-        for p in sorted(self.spool.glob("producer.*.json")):
-            b = read_json(p) or {}
+        for b in heartbeats(self.channel):
             if b.get("state") == "failed":
-                raise CacheError(f"Producer {b.get('producer')} of the spool {self.spool} stopped: {b.get('error')} "
+                raise CacheError(f"Producer {b.get('producer')} of the spool {self.channel.where} stopped: {b.get('error')} "
                                  f"(its log: producer.{b.get('producer')}.log there, or its terminal). Fix that and rerun "
                                  "training with the producers: it resumes from its last checkpoint.")
 
     def _producers(self) -> str:
-        beats = sorted(self.spool.glob("producer.*.json"))
+        beats = heartbeats(self.channel)
         if not beats:
             return "no producer has started; start `deepspec data stream CONFIG` with this run's recipe and --opts"
         now, parts = time.time(), []
-        for p in beats:
-            b = read_json(p) or {}
+        for b in beats:
             parts.append(f"producer {b.get('producer', '?')} (pid {b.get('pid', '?')} on {b.get('host', '?')}, {b.get('state', '?')}) "
                          f"last seen {now - b.get('time', 0):.0f} s ago, {b.get('produced', 0)} made")
         return "; ".join(parts)
 
     def _stalled(self, i: int, waited: float) -> str:
-        return (f"Sample {i} ({self.sample_id(i)!r}) did not reach the spool {self.spool} in {waited:.0f} s "
+        return (f"Sample {i} ({self.sample_id(i)!r}) did not reach the spool {self.channel.where} in {waited:.0f} s "
                 f"(cache.stream_timeout_s): {self._producers()}. Restart the producers (`deepspec data stream CONFIG`), then "
                 "rerun training: it resumes from its last checkpoint.")
 
@@ -303,6 +324,7 @@ class SpoolDataset:
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
+        self.channel.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -315,8 +337,3 @@ class SpoolDataset:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

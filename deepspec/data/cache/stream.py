@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.data.cache import spool as sp
+from deepspec.data.cache.channel import FileChannel, open_channel
 from deepspec.data.cache.writer import Sample, _batches, _featurizer, _load_plan_inputs, encode_sample, make_plan, materialize
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
@@ -40,8 +41,10 @@ class Producer:
         if not 0 <= producer < producers:
             raise CacheError(f"--producer {producer} is outside 0..{producers - 1} (--producers {producers}).")
         self.cfg, self.w, self.n = cfg, producer, producers
-        self.spool = spool or spool_dir(cfg)
+        self.spool = spool or spool_dir(cfg)  # this machine's spool folder (the records too, unless in a Mooncake store)
         self.spool.mkdir(parents=True, exist_ok=True)
+        # a store's client is sized by the largest record: joined once the plan is made (_run)
+        self.channel = FileChannel(self.spool) if cfg.cache.spool_transport == "file" else None
         self.model, self.device, self.parent_pid, self.poll_s = model, device, parent_pid, poll_s
         self.budget = int(cfg.cache.spool_gb * 1e9) // producers
         self.held: dict[int, int] = {}  # index -> bytes of the records this producer wrote that are still there
@@ -53,9 +56,9 @@ class Producer:
     # ------------------------------------------------------------------ state on disk
     def _heartbeat(self, state: str, force: bool = False) -> None:
         now = time.time()
-        if force or now - self._beat > 1.0:
+        if self.channel is not None and (force or now - self._beat > 1.0):
             self._beat = now
-            sp.write_json(self.spool / f"producer.{self.w}.json", {**self.stats, "state": state, "time": now})
+            sp.put_json(self.channel, f"producer.{self.w}.json", {**self.stats, "state": state, "time": now})
 
     def _parent_alive(self) -> bool:
         if self.parent_pid is None:
@@ -69,9 +72,11 @@ class Producer:
             return True
 
     def _adopt(self) -> None:
-        """After a restart: drop our half-written records, count our complete ones (they stay valid)."""
-        for tmp in self.spool.glob(f".*{sp.SUFFIX}.*.tmp"):
-            tmp.unlink(missing_ok=True)  # only producers write .rec temporaries, and a restarted one replaces its own
+        """After a restart: drop our half-written records, count our complete ones (they stay valid). In a store a
+        producer's records live in its own segment and left with the process: nothing to adopt."""
+        if self.channel.kind != "file":
+            return
+        self.channel.drop_temporaries(sp.SUFFIX)  # only producers write .rec temporaries; a restarted one replaces its own
         for rec in self.spool.glob(f"*{sp.SUFFIX}"):
             try:
                 header, _ = sp.read_record(rec)
@@ -81,8 +86,10 @@ class Producer:
                 self.held[int(header["index"])] = rec.stat().st_size
 
     def _refresh(self) -> None:
-        for i in [i for i in self.held if not sp.record_path(self.spool, i).exists()]:
-            del self.held[i]  # read (and deleted) by the trainer
+        held = list(self.held)
+        for i, there in zip(held, self.channel.exists_many([sp.record_name(i) for i in held])):
+            if not there:
+                del self.held[i]  # read (and deleted) by the trainer
 
     # ------------------------------------------------------------------ the loop
     def run(self, max_idle_s: float | None = None) -> dict[str, Any]:
@@ -100,6 +107,10 @@ class Producer:
 
         tokenizer, tconf = _load_plan_inputs(self.cfg)
         plan = make_plan(self.cfg, "train", tokenizer, tconf)
+        if self.channel is None:
+            self.channel = open_channel(self.cfg, self.spool, role="producer", share_bytes=self.budget,
+                                        largest_record=sp.largest_record(plan))
+            self._heartbeat("starting", force=True)
         doc = self._wait_for_trainer(plan, max_idle_s)
         if doc is None:
             return self.stats
@@ -109,13 +120,13 @@ class Producer:
         featurize, close = _featurizer(plan, self.cfg, self.device, self.model)
         self._adopt()
         log.info("producer %d of %d: %d samples planned, spool %s, %s of its %s cap", self.w, self.n,
-                 len(plan.samples), self.spool, _size(self.budget), _size(self.cfg.cache.spool_gb * 1e9))
+                 len(plan.samples), self.channel.where, _size(self.budget), _size(self.cfg.cache.spool_gb * 1e9))
         live = False  # seen this trainer before its end: a run already finished when we came is not ours to end
         try:
             while True:
-                fresh = sp.read_json(self.spool / sp.PLAN)
+                fresh = sp.get_json(self.channel, sp.PLAN)
                 if fresh is not None and fresh.get("started") != doc.get("started"):  # the trainer restarted
-                    sp.check_plan(fresh, plan, self.spool)
+                    sp.check_plan(fresh, plan, self.channel.where)
                     doc, live = fresh, False
                 if not self._parent_alive():
                     break
@@ -124,22 +135,23 @@ class Producer:
                         self._idle("the trainer's run had finished: waiting for the next one")
                         continue
                     for i in list(self.held):  # nothing of ours will be read any more
-                        sp.record_path(self.spool, i).unlink(missing_ok=True)
+                        self.channel.delete(sp.record_name(i))
                         del self.held[i]
                     if self.cfg.cache.spool_keep:
                         self._complete_kept(plan, featurize, tokenizer, tconf)
                     break
                 live = True
-                cursors = sp.trainer_cursors(self.spool, int(doc["world"]))
+                cursors = sp.trainer_cursors(self.channel, int(doc["world"]))
                 if cursors is None:
                     self._idle("waiting for the trainer's position")
                     continue
                 self._refresh()
                 want = self._window(order, lengths, cursors, int(doc["total_steps"]))
-                missing = [(k, i) for k, i in want if not sp.record_path(self.spool, i).exists()]
+                there = self.channel.exists_many([sp.record_name(i) for _, i in want])
+                missing = [(k, i) for (k, i), ok in zip(want, there) if not ok]
                 # a record gone since the cursors were read may have been consumed: the reader publishes its next
                 # position before it deletes, so cursors read after the existence checks tell
-                cursors = sp.trainer_cursors(self.spool, int(doc["world"])) or cursors
+                cursors = sp.trainer_cursors(self.channel, int(doc["world"])) or cursors
                 G, world = order.global_batch, len(cursors)
                 missing = [(k, i) for k, i in missing if k >= cursors[k % G % world]]
                 if self.cfg.cache.spool_keep:  # kept from an earlier read: linked back, no target forward
@@ -159,9 +171,9 @@ class Producer:
     def _wait_for_trainer(self, plan, max_idle_s: float | None) -> dict[str, Any] | None:
         t0 = time.monotonic()
         while True:
-            doc = sp.read_json(self.spool / sp.PLAN)
+            doc = sp.get_json(self.channel, sp.PLAN)
             if doc is not None:
-                sp.check_plan(doc, plan, self.spool)
+                sp.check_plan(doc, plan, self.channel.where)
                 return doc
             if not self._parent_alive() or (max_idle_s is not None and time.monotonic() - t0 > max_idle_s):
                 return None
@@ -169,7 +181,7 @@ class Producer:
             time.sleep(self.poll_s)
 
     def _trainer_done(self, doc: dict[str, Any]) -> bool:
-        return all((self.spool / f"{sp.DONE}.{r}").exists() for r in range(int(doc["world"])))
+        return all(self.channel.exists_many([f"{sp.DONE}.{r}" for r in range(int(doc["world"]))]))
 
     def _idle(self, state: str, room: bool = False) -> None:
         self.stats["wait_room_s" if room else "wait_trainer_s"] += self.poll_s
@@ -208,7 +220,7 @@ class Producer:
         todo = [i for i in range(len(plan.samples)) if i % self.n == self.w and not kept_path(self.spool, i).exists()]
         self._heartbeat("making the samples the trainer never read, for the kept cache", force=True)
         for a in range(0, len(todo), 64):
-            self._produce(plan, todo[a : a + 64], featurize, tokenizer, folder=kept)
+            self._produce(plan, todo[a : a + 64], featurize, tokenizer, into=FileChannel(kept))
         if self.w != 0:
             return
         while not all(kept_path(self.spool, i).exists() for i in range(len(plan.samples))):
@@ -238,7 +250,7 @@ class Producer:
                 if not later:
                     return todo
                 victim = max(later, key=lambda j: rank.get(j, float("inf")))
-                sp.record_path(self.spool, victim).unlink(missing_ok=True)
+                self.channel.delete(sp.record_name(victim))
                 del self.held[victim]
                 self.stats["evicted"] += 1
             todo.append(i)
@@ -246,17 +258,18 @@ class Producer:
             pending += nb
         return todo
 
-    def _produce(self, plan, todo: list[int], featurize, tokenizer, folder: Path | None = None) -> None:
+    def _produce(self, plan, todo: list[int], featurize, tokenizer, into=None) -> None:
         samples = materialize(plan, [plan.samples[i] for i in todo], tokenizer)
         index_of = {id(s): i for s, i in zip(samples, todo)}
         for batch in _batches(sorted(samples, key=lambda s: len(s.input_ids)), self.cfg.cache.batch_tokens):
             for sample, feats in featurize(batch):
-                self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype), folder)
+                self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype), into)
 
-    def _write(self, plan, index: int, sample: Sample, data: bytes, folder: Path | None = None) -> None:
-        nb = sp.write_record(folder or self.spool, index, sample.id, data, length=len(sample.input_ids), n_layers=plan.n_layers,
+    def _write(self, plan, index: int, sample: Sample, data: bytes, into=None) -> None:
+        """Into the spool (counted in this producer's share), or `into` another channel (kept/: outside the cap)."""
+        nb = sp.write_record(into or self.channel, index, sample.id, data, length=len(sample.input_ids), n_layers=plan.n_layers,
                              hidden=plan.hidden_size, dtype=plan.dtype, truncated=sample.truncated, producer=self.w)
-        if folder is None:
+        if into is None:
             self.held[index] = nb
         self.stats["produced"] += 1
         self.stats["tokens"] += len(sample.input_ids)
@@ -326,12 +339,13 @@ def open_stream_datasets(cfg, info):
     G = cfg.train.global_batch_size
     total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * (len(plan.samples) // max(G, 1))))
     spool = spool_dir(cfg)
+    spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
+    channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
     if info.is_main:
-        spool.mkdir(parents=True, exist_ok=True)
-        for stale in [*spool.glob(f"{sp.DONE}.*"), *spool.glob("pos.*")]:
-            stale.unlink(missing_ok=True)
+        for stale in (f"{sp.DONE}.", "pos."):
+            channel.delete_matching(stale)
         doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total_steps, bucketing=cfg.train.bucketing)
-        sp.write_json(spool / sp.PLAN, {**doc, "world": info.world})
+        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world})
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
             # with spool_keep they still write the offline cache after the last read: wait for them, however long
@@ -342,8 +356,8 @@ def open_stream_datasets(cfg, info):
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     _, _, rows = tap_rows(cfg, tconf)
-    train = sp.SpoolDataset(spool, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
-                            timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
+    train = sp.SpoolDataset(channel, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
+                            local=spool, timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
     val = None
     from deepspec.data.cache.format import is_complete
 
