@@ -2,7 +2,8 @@
 """Streamed vs offline training on the same data in the same run: training tokens/s, spool peak bytes, producer and
 trainer idle fractions. Prints one JSON object.
 
-    .venv/bin/python benchmarks/bench_stream.py [--samples 48] [--steps 12] [--max-length 512] [--spool-gb 0.05]
+    .venv/bin/python benchmarks/bench_stream.py [--samples 48] [--steps 12] [--max-length 512] [--spool-gb 0.05] \
+        [--transports file mooncake]
 
 The embedded SmolLM2 target and the quickstart's EAGLE-3 recipe (fp32 training, global batch 4, one worker).
 Conversations as in bench_cache.py (prompt texts as stand-in answers: speed depends on lengths). The offline run
@@ -13,9 +14,10 @@ train on core 0; the cache build runs on core 1, as the producer does). Needs >=
 
   offline.tokens_per_s / stream.tokens_per_s   supervised + prompt tokens trained per second of training wall time
   stream.vs_offline                            their ratio (>= 0.8 is the target while producers keep up)
+  stream_mooncake.*                            the same through a Mooncake store on 127.0.0.1 (--transports mooncake)
   stream.vs_offline_when_fed                   offline train time / streamed train time less its waits for the producer
   stream.end_to_end_vs_offline                 (offline cache build + offline training) / streamed training
-  first_loss_rel_diff / final_loss_rel_diff    streamed vs offline loss at the first and last step (the same samples;
+  stream.first_loss_rel_diff / final_loss_rel_diff  streamed vs offline loss at the first and last step (the same samples;
                                                features differ by round-off where captures batch samples differently)
   stream.spool_peak_bytes / spool_cap_bytes    the most the producer held in the spool, and the cap
   stream.trainer_wait_fraction                 the trainer's reads' time spent waiting for the producer / training time
@@ -25,6 +27,7 @@ train on core 0; the cache build runs on core 1, as the producer does). Needs >=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -66,6 +69,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--spool-gb", type=float, default=0.05)
+    ap.add_argument("--transports", nargs="+", default=["file"], choices=["file", "mooncake"],
+                    help="streamed runs to make: through the spool folder and/or a Mooncake store on 127.0.0.1 (TCP)")
     args = ap.parse_args()
     os.environ.update(DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_CACHE_DEVICE="cpu")
     if len(os.sched_getaffinity(0)) < 2:
@@ -74,7 +79,6 @@ def main() -> int:
 
     from bench_cache import write_conversations
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
     from deepspec.train import train
 
     torch.set_num_threads(1)
@@ -97,37 +101,74 @@ def main() -> int:
         train(cfg)
         out["offline"] = {**_train_seconds(cfg.run_dir, time.perf_counter() - t0), "cache_build_s": round(build_s, 1)}
 
-        opts = ["exp=stream", "cache.mode=stream"]
-        cfg = load_config(recipe, opts)
-        producer = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe),
-                                     "--opts", *opts], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            t0 = time.perf_counter()
-            train(cfg)
-            wall = time.perf_counter() - t0
-            p_out, p_err = producer.communicate(timeout=120)
-        finally:
-            if producer.poll() is None:
-                producer.kill()
-        if producer.returncode != 0:
-            raise SystemExit(f"the producer failed:\n{p_err[-3000:]}")
-        stats = json.loads(p_out.strip().splitlines()[-1])
-        done = json.loads((spool_dir(cfg) / "done.0").read_text())
-        lived = stats["busy_s"] + stats["wait_trainer_s"] + stats["wait_room_s"]
-        out["stream"] = {**_train_seconds(cfg.run_dir, wall), "spool_peak_bytes": stats["peak_bytes"],
-                         "spool_cap_bytes": int(args.spool_gb * 1e9), "produced": stats["produced"],
-                         "trainer_wait_fraction": round(done["waited_s"] / wall, 3),
-                         "producer_busy_fraction": round(stats["busy_s"] / max(lived, 1e-9), 3),
-                         "producer_wait_room_s": round(stats["wait_room_s"], 1)}
-        st, off = out["stream"], out["offline"]
-        st["vs_offline"] = round(st["tokens_per_s"] / off["tokens_per_s"], 3)
-        # the trainer's own pace: its wall time less the time its reads waited for the producer
-        st["vs_offline_when_fed"] = round(off["train_wall_s"] / max(st["train_wall_s"] - done["waited_s"], 1e-9), 3)
-        st["end_to_end_vs_offline"] = round((off["train_wall_s"] + off["cache_build_s"]) / st["train_wall_s"], 3)
-        out["first_loss_rel_diff"] = abs(st["first_loss"] - off["first_loss"]) / off["first_loss"]
-        out["final_loss_rel_diff"] = abs(st["final_loss"] - off["final_loss"]) / off["final_loss"]
+        for transport in args.transports:
+            key = "stream" if transport == "file" else f"stream_{transport}"
+            with _transport(transport, root) as extra:
+                out[key] = _streamed(recipe, [f"exp={key}", "cache.mode=stream", *extra], env, args, out["offline"])
     print(json.dumps(out))
     return 0
+
+
+@contextlib.contextmanager
+def _transport(transport: str, root: Path):
+    """The --opts of a transport; for mooncake, a master with its metadata service on 127.0.0.1 while the run lasts."""
+    if transport == "file":
+        yield []
+        return
+    import socket
+
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    with open(root / "mooncake_master.log", "w") as log:
+        master = subprocess.Popen(["taskset", "-c", "1", "bash", str(REPO / "scripts/data/mooncake_master.sh"), "--host", "127.0.0.1",
+                                   "--port", str(ports[0]), "--metadata-port", str(ports[1]), "--metrics-port", str(ports[2])],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            time.sleep(3)
+            yield ["cache.spool_transport=mooncake", f"cache.mooncake_master=127.0.0.1:{ports[0]}",
+                   f"cache.mooncake_metadata=http://127.0.0.1:{ports[1]}/metadata"]
+        finally:
+            os.killpg(master.pid, 9)
+            master.wait()
+
+
+def _streamed(recipe: Path, opts: list[str], env: dict, args, off: dict) -> dict:
+    """One streamed run: the trainer here (core 0), one producer on core 1."""
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+    from deepspec.train import train
+
+    cfg = load_config(recipe, opts)
+    producer = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe),
+                                 "--opts", *opts], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - t0
+        p_out, p_err = producer.communicate(timeout=120)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+    if producer.returncode != 0:
+        raise SystemExit(f"the producer failed:\n{p_err[-3000:]}")
+    stats = json.loads(p_out.strip().splitlines()[-1])
+    done = json.loads((spool_dir(cfg) / "done.0").read_text())
+    lived = stats["busy_s"] + stats["wait_trainer_s"] + stats["wait_room_s"]
+    st = {**_train_seconds(cfg.run_dir, wall), "spool_peak_bytes": stats["peak_bytes"],
+          "spool_cap_bytes": int(args.spool_gb * 1e9), "produced": stats["produced"],
+          "trainer_wait_fraction": round(done["waited_s"] / wall, 3),
+          "producer_busy_fraction": round(stats["busy_s"] / max(lived, 1e-9), 3),
+          "producer_wait_room_s": round(stats["wait_room_s"], 1)}
+    st["vs_offline"] = round(st["tokens_per_s"] / off["tokens_per_s"], 3)
+    # the trainer's own pace: its wall time less the time its reads waited for the producer
+    st["vs_offline_when_fed"] = round(off["train_wall_s"] / max(st["train_wall_s"] - done["waited_s"], 1e-9), 3)
+    st["end_to_end_vs_offline"] = round((off["train_wall_s"] + off["cache_build_s"]) / st["train_wall_s"], 3)
+    st["first_loss_rel_diff"] = abs(st["first_loss"] - off["first_loss"]) / off["first_loss"]
+    st["final_loss_rel_diff"] = abs(st["final_loss"] - off["final_loss"]) / off["final_loss"]
+    return st
 
 
 if __name__ == "__main__":

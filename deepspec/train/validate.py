@@ -17,6 +17,7 @@ import torch
 
 from deepspec.train.batches import collate_fn
 from deepspec.train.dist import DistInfo, reduce_metrics
+from deepspec.train.weighting import micro_batch_weight
 
 BEST_KEY = "expected_tau"
 _ACC = re.compile(r"^alpha_tf@(\d+)$")
@@ -68,9 +69,10 @@ def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, aut
                 loss, metrics = wrapped(batch)
             if not real:
                 continue
-            n_tok = batch.num_loss_tokens
-            loss_num += float(loss) * n_tok
-            loss_den += n_tok
+            # token-weighted whatever train.loss_normalization says: validation figures compare across runs
+            weight, _ = micro_batch_weight(metrics, batch.num_loss_tokens, batch.input_ids.numel(), "tokens")
+            loss_num += float(loss) * float(weight)
+            loss_den += float(weight)
             for k, (num, den) in metrics.items():
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0] += float(num)

@@ -241,7 +241,10 @@ class SpoolDataset:
         self.channel.put(f"pos.{self.rank}", str(k).encode())
 
     def _finish(self) -> None:
-        put_json(self.channel, f"{DONE}.{self.rank}", {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)})
+        done = {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)}
+        put_json(self.channel, f"{DONE}.{self.rank}", done)
+        if getattr(self.channel, "folder", None) != self.local:  # a store's copy leaves with this process: keep one here
+            (self.local / f"{DONE}.{self.rank}").write_text(json.dumps(done))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         k = self._position(i)
