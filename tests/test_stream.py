@@ -349,6 +349,7 @@ def test_a_mooncake_spool_trains_like_the_offline_cache_and_survives_a_killed_pr
     _assert_each_sample_once_per_epoch(cfg, spool)
     ref, got = _losses(reference), _losses(cfg.run_dir)
     assert set(got) == set(ref) and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (got, ref)
+    assert json.loads((spool / "done.0").read_text())["reads"] == STEPS * GLOBAL  # the store's done mark, kept here too
     # nothing of the spool but the ledger (and the producers' logs) touched the folder
     assert not list(spool.glob("*.rec")) and not list(spool.glob("pos.*")) and not list(spool.glob("producer.*.json"))
 

@@ -240,11 +240,32 @@ class SpoolDataset:
         """pos.<rank> = the plan position of this rank's next read: every position before it is consumed."""
         self.channel.put(f"pos.{self.rank}", str(k).encode())
 
+    def _linger_then_close(self, timeout_s: float = 30.0) -> None:
+        """After this rank's last read, with a store: its done mark lives in this process's memory, so keep the client
+        until every producer has seen it and stopped (at most `timeout_s`), then leave the store."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                if all(b.get("state") in ("stopped", "failed") for b in heartbeats(self.channel)):
+                    break
+            except Exception:  # noqa: BLE001 - the store went away: nothing left to wait for
+                break
+            time.sleep(0.2)
+        self.close()
+
+    def linger(self) -> None:
+        """At exit: let the producers see this rank's done mark before the process (and a store's copy) goes."""
+        thread = getattr(self, "_lingering", None)
+        if thread is not None:
+            thread.join(timeout=40.0)
+
     def _finish(self) -> None:
         done = {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)}
         put_json(self.channel, f"{DONE}.{self.rank}", done)
-        if getattr(self.channel, "folder", None) != self.local:  # a store's copy leaves with this process: keep one here
+        if self.channel.kind != "file":  # a store's copy leaves with this process: keep one here, and stay a while
             (self.local / f"{DONE}.{self.rank}").write_text(json.dumps(done))
+            self._lingering = threading.Thread(target=self._linger_then_close, name="spool-linger", daemon=True)
+            self._lingering.start()
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         k = self._position(i)
@@ -332,6 +353,7 @@ class SpoolDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_ledger"] = None
+        state["_lingering"] = None
         state["_expect"] = deque()
         del state["_lock"]
         return state

@@ -358,6 +358,7 @@ def open_stream_datasets(cfg, info):
     _, _, rows = tap_rows(cfg, tconf)
     train = sp.SpoolDataset(channel, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
                             local=spool, timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
+    atexit.register(train.linger)  # runs before stop_local_producers (registered earlier): they stop on their own first
     val = None
     from deepspec.data.cache.format import is_complete
 
