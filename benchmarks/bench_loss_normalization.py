@@ -12,7 +12,7 @@ resumes. Only the normalisation differs between the two modes of one seed; the s
 the same mode land (the figure to beat).
 
 Why the shape matters: when a step is one micro-batch (the quickstart: global batch 2 = micro-batch 2) the two
-modes differ only by a per-step scalar (real tokens / B x T), which Muon and Adam nearly normalise away; with many
+modes differ only by a per-step scalar (real tokens / B x T, near 1 for length-sorted pairs); with many
 micro-batches of one sample (the GPU recipes: micro-batch 1), `tokens` weighs samples by their length and
 `positions` about equally. Pass `--shape train.micro_batch_size=1 train.global_batch_size=4` for the latter.
 """
