@@ -430,6 +430,21 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     assert not list(spool.glob("*.rec"))
 
 
+def test_a_read_record_evicted_before_its_move_is_kept_from_the_bytes_read(tmp_path):
+    """With cache.spool_keep, once a reader has published its next position a producer may evict the record it just read
+    (it is no longer wanted) before the reader moves it to kept/: the kept copy is then written from the bytes read."""
+    from deepspec.data.cache.keep import consume, kept_path
+
+    path = tmp_path / "3.rec"
+    path.write_bytes(b"record bytes")
+    blob = path.read_bytes()
+    path.unlink()  # the producer's eviction
+    consume(path, True, blob)
+    assert kept_path(tmp_path, 3).read_bytes() == blob and not list((tmp_path / "kept").glob(".*"))
+    with pytest.raises(FileNotFoundError):
+        consume(tmp_path / "4.rec", True)  # without the bytes there is nothing to keep
+
+
 def test_a_full_disk_under_the_spool_is_one_sentence_and_leaves_no_partial_record(tmp_path):
     """The spool's cap counts the spool, not what else fills its disk: a write that runs out of room (here a file-size
     limit, as `ulimit -f` sets) stops the producer with a sentence naming the record, and no partial file remains."""

@@ -31,13 +31,22 @@ def kept_path(spool: Path, index: int) -> Path:
     return spool / KEPT / f"{index}{sp.SUFFIX}"
 
 
-def consume(path: Path, keep: bool) -> None:
-    """A record the trainer has read: deleted, or moved to kept/ (once: a copy already kept is the same bytes)."""
+def consume(path: Path, keep: bool, blob: bytes | None = None) -> None:
+    """A record the trainer has read: deleted, or moved to kept/ (once: a copy already kept is the same bytes).
+    `blob`: the bytes the trainer read. Once it has published its next position a producer may take the file as no
+    longer wanted and evict it before this move; the kept copy is then written from those bytes."""
     if keep:
         dst = path.parent / KEPT / path.name
         dst.parent.mkdir(exist_ok=True)
         if not dst.exists():
-            os.replace(path, dst)
+            try:
+                os.replace(path, dst)
+            except FileNotFoundError:
+                if blob is None:
+                    raise
+                tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, dst)
             return
     path.unlink(missing_ok=True)
 

@@ -302,7 +302,7 @@ class SpoolDataset:
         if self.keep:
             from deepspec.data.cache.keep import consume
 
-            consume(record_path(self.channel.folder, i), True)
+            consume(record_path(self.channel.folder, i), True, blob)
         else:
             self.channel.delete(name)
         self._note(i, header)
