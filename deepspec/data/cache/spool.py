@@ -192,6 +192,7 @@ class SpoolDataset:
         self._lock = threading.Lock()
         self.waited_s = 0.0  # time this rank's reads waited for producers (the trainer's stall, when it prefetches)
         self.reads = 0
+        self.done = False  # this rank has read its last sample (its done mark is out)
 
     def __len__(self) -> int:
         return len(self.plan.samples)
@@ -260,6 +261,7 @@ class SpoolDataset:
             thread.join(timeout=40.0)
 
     def _finish(self) -> None:
+        self.done = True
         done = {"rank": self.rank, "reads": self.reads, "waited_s": round(self.waited_s, 3)}
         put_json(self.channel, f"{DONE}.{self.rank}", done)
         if self.channel.kind != "file":  # a store's copy leaves with this process: keep one here, and stay a while

@@ -338,6 +338,7 @@ def open_stream_datasets(cfg, info):
     plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
     G = cfg.train.global_batch_size
     total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * (len(plan.samples) // max(G, 1))))
+    reader: list = []  # this rank's SpoolDataset, once made (the producers' stop at exit asks whether it finished)
     spool = spool_dir(cfg)
     spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
     channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
@@ -348,8 +349,14 @@ def open_stream_datasets(cfg, info):
         sp.put_json(channel, sp.PLAN, {**doc, "world": info.world})
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
-            # with spool_keep they still write the offline cache after the last read: wait for them, however long
-            atexit.register(stop_local_producers, procs, None if cfg.cache.spool_keep else 30.0)
+
+            def stop() -> None:
+                # with spool_keep they still write the offline cache after the last read: wait for them, however long;
+                # a trainer that failed before its last read leaves them nothing to finish
+                finished = bool(reader) and reader[0].done
+                stop_local_producers(procs, None if cfg.cache.spool_keep and finished else 30.0)
+
+            atexit.register(stop)
         else:
             log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
                      "(the same recipe and --opts); spool %s", spool)
@@ -358,7 +365,8 @@ def open_stream_datasets(cfg, info):
     _, _, rows = tap_rows(cfg, tconf)
     train = sp.SpoolDataset(channel, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
                             local=spool, timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
-    atexit.register(train.linger)  # runs before stop_local_producers (registered earlier): they stop on their own first
+    reader.append(train)
+    atexit.register(train.linger)  # runs before stop() (registered earlier): the producers stop on their own first
     val = None
     from deepspec.data.cache.format import is_complete
 
