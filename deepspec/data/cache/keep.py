@@ -18,6 +18,7 @@ import numpy as np
 
 from deepspec.data.cache import format as fmt
 from deepspec.data.cache import spool as sp
+from deepspec.data.cache.channel import FileChannel
 from deepspec.diskfull import room_for
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
@@ -44,9 +45,7 @@ def consume(path: Path, keep: bool, blob: bytes | None = None) -> None:
             except FileNotFoundError:
                 if blob is None:
                     raise
-                tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-                tmp.write_bytes(blob)
-                os.replace(tmp, dst)
+                FileChannel(dst.parent).put(dst.name, blob, durable=True, what="the kept record")
             return
     path.unlink(missing_ok=True)
 
