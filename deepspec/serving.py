@@ -79,6 +79,11 @@ def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
     pos_before = before["accepted_per_pos"] + [0.0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
     d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], pos_before)]
+    return with_rates(d)
+
+
+def with_rates(d: dict[str, Any]) -> dict[str, Any]:
+    """Counts plus the mean acceptance length and per-position rates they imply."""
     drafts = d["drafts"]
     d["mean_acceptance_length"] = 1.0 + d["accepted_tokens"] / drafts if drafts else None
     d["acceptance_rate_per_pos"] = [a / drafts for a in d["accepted_per_pos"]] if drafts else []
@@ -183,6 +188,10 @@ class VLLMServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def running(self) -> bool:
+        """Whether the server process is alive (started and not exited)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:

@@ -85,6 +85,30 @@ def test_sigterm_mid_shard_discards_only_the_partial_shard_and_the_rerun_builds_
     assert json.loads((directory / fmt.MANIFEST).read_text())["num_shards"] > len(done)
 
 
+def test_a_cache_worker_killed_mid_shard_stops_the_build_with_one_sentence_and_the_rerun_completes(tmp_path, tiny_llama_dir):
+    from deepspec.config import load_config
+    from deepspec.data.cache import format as fmt
+    from deepspec.data.jsonl import write_jsonl_atomic
+
+    rows = [{"id": str(i), "conversations": [{"role": "user", "content": f"say {i} and {i + 1}"},
+                                             {"role": "assistant", "content": f"{i} and {i + 1} and {i + 2} " * 3}]} for i in range(16)]
+    recipe = _recipe(tmp_path, tiny_llama_dir, "cache.max_length=64", "cache.shard_bytes=30000", "cache.batch_tokens=64",
+                     "cache.dtype=fp32", "model.target_layer_ids=[0,2,4]", "cache.num_workers=2", f"cache.dir={tmp_path / 'cache'}")
+    cfg = load_config(recipe)
+    write_jsonl_atomic(cfg.regenerated_path, rows)
+    stopped = _cli("data", "cache", str(recipe), "--split", "train", DEEPSPEC_FAULT_SIGTERM="cache-batch:3:SIGKILL")
+    assert stopped.returncode != 0
+    errors = [ln for ln in stopped.stderr.splitlines() if ln.startswith("deepspec: error:")]
+    assert len(errors) == 1, stopped.stderr[-3000:]
+    last = errors[0]
+    assert last.startswith("deepspec: error: Cache worker ") and "was killed by SIGKILL" in last
+    assert "every complete shard is kept: rerun the same command" in last and "Traceback" not in stopped.stderr
+    assert not fmt.is_complete(cfg.cache_train_dir)
+    rerun = _cli("data", "cache", str(recipe), "--split", "train")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert fmt.is_complete(cfg.cache_train_dir) and not list(cfg.cache_train_dir.glob("*.tmp*"))
+
+
 def _file_size_limit(limit: int):
     import resource
     import signal

@@ -1,10 +1,10 @@
-"""Regeneration servers dying under load: three OpenAI-compatible server processes with 96 requests in flight; one is
-SIGKILLed mid-run, then all of them. The servers are small HTTP processes that answer like vLLM's chat endpoint after
-a delay (a real vLLM server takes ~90 s to start on 2 CPU cores; the engine under test only sees HTTP)."""
+"""Servers dying under load, in regeneration and in the engine-backed eval: three OpenAI-compatible server processes
+with 96 requests in flight; one is SIGKILLed mid-run, then all of them. The servers are small HTTP processes that
+answer like vLLM's chat endpoint after a delay and count like its /metrics (a real vLLM server takes ~90 s to start on
+2 CPU cores; the code under test only sees HTTP)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +22,19 @@ import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 lock, inflight = threading.Lock(), [0]
+# vLLM's speculative-decoding counters as /metrics reports them: each answered request adds one draft of 2 tokens and
+# k = its prompt's number mod 3 accepted ones (k >= 1 at position 0, k >= 2 at position 1)
+counts = {"drafts": 0, "tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0}
+
+def metrics():
+    c = counts
+    return "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {c["drafts"]}.0',
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {c["tokens"]}.0',
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {c["accepted"]}.0',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {c["pos0"]}.0',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="1"}} {c["pos1"]}.0', ""])
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -36,6 +49,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
+        if self.path == "/metrics":
+            with lock:
+                data = metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         self._send({"data": [{"id": "tiny", "max_model_len": 4096}]})
 
     def do_POST(self):
@@ -44,8 +65,14 @@ class Handler(BaseHTTPRequestHandler):
             inflight[0] += 1
             print(f"start {body['messages'][-1]['content']} inflight={inflight[0]}", flush=True)
         time.sleep(0.6)
+        k = int("".join(ch for ch in body["messages"][-1]["content"] if ch.isdigit()) or 0) % 3
         with lock:
             inflight[0] -= 1
+            counts["drafts"] += 1
+            counts["tokens"] += 2
+            counts["accepted"] += k
+            counts["pos0"] += k >= 1
+            counts["pos1"] += k >= 2
         self._send({"choices": [{"message": {"role": "assistant", "content": "answer to " + body["messages"][-1]["content"]},
                                  "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
 
@@ -129,12 +156,17 @@ def _engine(cfg, grace: float):
                         backoff_base_s=0.2, down_grace_s=grace, reprobe_s=0.5)
 
 
-def _kill_when(servers: Servers, at_least: int, which: list[int], seen: list[int]) -> threading.Thread:
+def _kill_when(servers: Servers, at_least: int, which: list[int], seen: list[int], started: int = 0) -> threading.Thread:
+    """SIGKILL servers `which` once `at_least` requests are in flight over all servers and each of them has started
+    `started` requests (so that some of its answers are already counted)."""
     def run() -> None:
         t0 = time.monotonic()
-        while servers.inflight_total() < at_least and time.monotonic() - t0 < 60:
+        while time.monotonic() - t0 < 60:
+            n = servers.inflight_total()
+            if n >= at_least and all(len(servers.started(i)) >= started for i in which):
+                break
             time.sleep(0.02)
-        seen.append(servers.inflight_total())
+        seen.append(n)  # in flight at the moment the condition held
         for i in which:
             os.kill(servers.procs[i].pid, signal.SIGKILL)
 
@@ -186,3 +218,58 @@ def test_every_server_gone_stops_the_stage_with_one_sentence_naming_the_logs(tmp
     summary = regenerate(cfg, engine_obj=_engine(cfg, grace=30))
     ids = [r["id"] for r in read_jsonl(cfg.regenerated_path)]
     assert len(ids) == len(set(ids)) == 288 and summary["skipped"] == len(kept)
+
+
+def _engine_eval(tmp_path: Path, target: Path, servers: Servers, grace: float, two_turn: int = 96):
+    """The engine-backed eval over `servers` (eval.engine_urls_file) on 192 conversations, the last 96 of them two turns."""
+    from deepspec.config import load_config
+    from deepspec.eval.engine import engine_eval
+    from deepspec.eval.runner import WorkItem
+
+    urls_file = tmp_path / "eval_urls.txt"
+    urls_file.write_text("".join(f"{u}  # log: {log}\n" for u, log in zip(servers.urls, servers.logs)))
+    cfg = load_config(None, [f"target.name={target}", "eval.engine=vllm", f"eval.engine_urls_file={urls_file}",
+                             "eval.engine_max_concurrency=32", f"eval.engine_down_grace_s={grace}", "eval.num_draft_tokens=2",
+                             "eval.temperature=0", "eval.max_new_tokens=4"])
+    items = [WorkItem("bench", i, {"turns": [f"p{i}"] + ([f"p{i}b{i + 1}"] if i >= 192 - two_turn else [])}) for i in range(192)]
+    ours = {"tasks": {"bench": {"expected_accepted": [0.5, 0.2], "survival": [0.5, 0.2], "tau": 1.7}},
+            "overall": {"expected_accepted": [0.5, 0.2], "survival": [0.5, 0.2], "tau": 1.7}}
+    return engine_eval(cfg, tmp_path / "ckpt", {"algorithm": "eagle3"}, str(target), items, ours, tmp_path), items
+
+
+def _expected_counts(items) -> dict[str, int]:
+    """What the servers count when every turn of every conversation is answered exactly once."""
+    ks = [int("".join(ch for ch in turn if ch.isdigit())) % 3 for it in items for turn in it.row["turns"]]
+    return {"drafts": len(ks), "accepted": sum(ks), "pos0": sum(k >= 1 for k in ks), "pos1": sum(k >= 2 for k in ks)}
+
+
+def test_engine_eval_server_killed_under_load_counts_every_conversation_exactly_once(tmp_path, tiny_llama_dir, servers, logs):
+    srv = servers(3)
+    seen: list[int] = []
+    killer = _kill_when(srv, 64, [1], seen, started=40)  # its first 32 answers counted, the next ones in flight
+    out, items = _engine_eval(tmp_path, tiny_llama_dir, srv, grace=30)
+    killer.join()
+    assert seen[0] >= 64  # requests in flight over the three servers when server 1 was killed
+    want = _expected_counts(items)
+    cell = out["overall"]
+    got = {"drafts": cell["engine_drafts"], "accepted": cell["engine_accepted_tokens"],
+           "pos0": cell["engine_accepted_per_pos"][0], "pos1": cell["engine_accepted_per_pos"][1]}
+    assert got == want  # nothing counted twice, nothing lost
+    assert cell["engine_draft_tokens"] == 2 * want["drafts"] and cell["engine_tau"] == 1 + want["accepted"] / want["drafts"]
+    assert out["conversations_redone_after_a_server_died"] > 0 and out["servers"] == 3
+    assert any("stopped answering" in m and str(srv.logs[1]) in m for m in logs.messages)
+
+
+def test_engine_eval_with_every_server_gone_stops_with_one_sentence_naming_the_logs(tmp_path, tiny_llama_dir, servers):
+    from deepspec.errors import EngineError
+
+    srv = servers(3)
+    killer = _kill_when(srv, 64, [0, 1, 2], [])
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as err:
+        _engine_eval(tmp_path, tiny_llama_dir, srv, grace=2)
+    killer.join()
+    message = str(err.value)
+    assert message.startswith("Every vLLM server of the engine eval stopped answering for 2 s") and "\n" not in message
+    assert all(str(log) in message for log in srv.logs) and "results.json" in message
+    assert time.monotonic() - t0 < 60

@@ -96,3 +96,27 @@ def test_saved_configs_never_hold_api_keys_tokens_or_url_passwords(tmp_path):
     assert data["eval"]["engine_extra_args"] == ["--api-key", "<redacted>", "--port", "9000"]
     assert data["data"]["regenerate"]["vllm_kwargs"] == {"hf_token": "<redacted>", "max_num_seqs": 8}
     assert cfg.data.regenerate.urls[0] == "http://me:hunter2@10.0.0.1:8000"  # the live config keeps what it needs
+
+
+def test_a_cut_or_garbled_draft_checkpoint_at_export_and_eval_is_one_sentence_naming_a_good_step(tmp_path):
+    from random_drafts import random_draft_checkpoint
+
+    from deepspec.drafts.checkpoint import load_draft
+    from deepspec.errors import CheckpointError
+    from deepspec.export.writers import export_draft
+
+    run = tmp_path / "run"
+    _, good = random_draft_checkpoint(run / "step_2", "llama", "eagle3")
+    _, bad = random_draft_checkpoint(run / "step_4", "llama", "eagle3")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    for load in (lambda: load_draft(bad), lambda: export_draft(bad, tmp_path / "out", fmt="vllm")):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        message = str(err.value)
+        assert message.startswith(f"{weights} is damaged (") and "\n" not in message and str(good) in message
+    assert not (tmp_path / "out").exists()  # no export from a damaged checkpoint
+    (bad / "config.json").write_text('{"deepspec": {"algorithm": "eag')  # a config cut mid-write by another tool
+    with pytest.raises(CheckpointError, match=r"config.json is damaged \(JSONDecodeError: .*\); the checkpoint cannot be read"):
+        load_draft(bad)
+    assert load_draft(good) is not None  # the other step still loads

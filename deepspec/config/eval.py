@@ -47,6 +47,12 @@ class EvalConfig:
     engine: Literal["none", "vllm"] = "none"
     engine_num_speculative_tokens: int | None = None  # null = num_draft_tokens (compare at the same S)
     engine_url: str | None = None  # an already running server (its counters are shared with other clients!)
+    # Several running servers (same target, same draft): each conversation runs on one of them; a server that dies is
+    # left out and its conversations of the benchmark run again elsewhere, so every count is exact (docs/reliability.md).
+    # engine_urls_file: one URL per line, `URL  # log: PATH` names a server's log for the error when all are gone.
+    engine_urls: list[str] = field(default_factory=list)
+    engine_urls_file: str | None = None
+    engine_down_grace_s: float = 60.0  # how long the eval waits for any server to answer again before it stops
     engine_extra_args: list[str] = field(default_factory=list)
     engine_max_concurrency: int = 8
     engine_max_model_len: int = 4096
@@ -81,6 +87,8 @@ class EvalConfig:
             )
         if self.replay_batch_size < 1:
             raise ConfigError(f"eval.replay_batch_size must be >= 1, got {self.replay_batch_size}.")
+        if self.engine_down_grace_s < 0:
+            raise ConfigError(f"eval.engine_down_grace_s must be >= 0 seconds, got {self.engine_down_grace_s}.")
         if self.engine_speedup_max_samples < 1:
             raise ConfigError(f"eval.engine_speedup_max_samples must be >= 1, got {self.engine_speedup_max_samples}.")
         if self.engine_speedup_max_new_tokens is not None and self.engine_speedup_max_new_tokens < 1:

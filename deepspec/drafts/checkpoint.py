@@ -83,10 +83,23 @@ def read_draft_config(directory: str | Path) -> dict[str, Any]:
     cfg_path, weights_path = default_checkpoint_files(directory)
     if not cfg_path.is_file() or not weights_path.is_file():
         raise CheckpointError(f"{directory} is not a deepspec draft checkpoint (needs config.json and model.safetensors); pass a step_N folder.")
-    data = json.loads(cfg_path.read_text())
-    if "deepspec" not in data:
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be read. "
+                              f"{_other_steps(Path(directory))}") from e
+    if not isinstance(data, dict) or "deepspec" not in data:
         raise CheckpointError(f"{cfg_path} has no 'deepspec' block; it is not a deepspec checkpoint (exported folders cannot be reloaded).")
     return data
+
+
+def _other_steps(directory: Path) -> str:
+    """What to do about a damaged step: the run's other steps, newest first, or a re-save."""
+    steps = sorted((p for p in directory.parent.glob("step_*") if p.is_dir() and p.name != directory.name
+                    and p.name.removeprefix("step_").isdigit()), key=lambda p: int(p.name.removeprefix("step_")), reverse=True)
+    if steps:
+        return f"Use another step of the run (the newest other one is {steps[0]}), or resume training to write this one again."
+    return "Train or export it again."
 
 
 def load_draft(directory: str | Path, target_model: Any = None, device: str | torch.device = "cpu") -> DraftModel:
@@ -108,7 +121,12 @@ def load_draft(directory: str | Path, target_model: Any = None, device: str | to
     draft = cls(arch, model_cfg, meta["taps"])
     if target_model is not None:
         draft.load_target_weights(*target_weights(target_model))
-    state = load_file(str(default_checkpoint_files(directory)[1]))
+    weights = default_checkpoint_files(directory)[1]
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a cut or corrupt file
+        raise CheckpointError(f"{weights} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:160]}); the checkpoint "
+                              f"cannot be loaded. {_other_steps(Path(directory))}") from e
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.split(".")[-1] not in FROZEN]
     if missing or unexpected:

@@ -25,8 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from deepspec.config.secrets import redact_text
 from deepspec.errors import ConfigError, EngineError
-from deepspec.log import get_logger, progress
+from deepspec.eval.engine_pool import Endpoint, Job, ServerDown, ServerPool, sum_deltas
+from deepspec.log import get_logger
 
 log = get_logger(__name__)
 
@@ -130,11 +132,11 @@ class _Client:
                  seeded: bool = True):
         import httpx
 
+        self.url = url
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
         self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
         self.seeded = seeded
         self.max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
-        self.skipped = 0
         self.completion_tokens = 0  # summed over requests (the engine's own usage count)
         self._lock = threading.Lock()
 
@@ -145,7 +147,6 @@ class _Client:
         n_prompt = len(render_prompt(self.tok, messages, kwargs))
         budget = min(self.max_new_tokens, self.max_model_len - n_prompt - 1)
         if budget < 1:
-            self.skipped += 1
             return None
         body = {
             "model": self.model, "messages": messages, "max_tokens": budget, "chat_template_kwargs": kwargs,
@@ -153,7 +154,14 @@ class _Client:
         }
         if self.seeded:
             body["seed"] = seed
-        r = self.http.post("/chat/completions", json=body)
+        import httpx
+
+        try:
+            r = self.http.post("/chat/completions", json=body)
+        except httpx.TransportError as e:  # refused, reset, timed out: the server is gone (or going)
+            raise ServerDown(f"{self.url}: {type(e).__name__}: {e}") from e
+        if r.status_code in DOWN_STATUS or (r.status_code == 500 and "Engine" in r.text and "Dead" in r.text):
+            raise ServerDown(f"{self.url}: answered {r.status_code}: {r.text[:200]}")
         if r.status_code != 200:
             raise EngineError(f"vLLM answered {r.status_code} to a chat request: {r.text[:300]}")
         body = r.json()
@@ -161,14 +169,21 @@ class _Client:
             self.completion_tokens += int((body.get("usage") or {}).get("completion_tokens") or 0)
         return body["choices"][0]["message"]["content"] or ""
 
-    def conversation(self, turns: list[str], seed: int, system: str | None = None) -> None:
+    def conversation(self, turns: list[str], seed: int, system: str | None = None) -> int:
+        """Every turn on this server, each after the server's own previous answer; returns the requests skipped
+        (0 or 1: a turn too long for max_model_len ends the conversation)."""
         messages: list[dict] = [{"role": "system", "content": system}] if system else []
         for t, turn in enumerate(turns):
             messages.append({"role": "user", "content": turn})
             answer = self.chat(messages, seed + t)
             if answer is None:
-                return
+                return 1
             messages.append({"role": "assistant", "content": answer})
+        return 0
+
+
+# Statuses of a server that is going away (a proxy's or vLLM's own "unavailable"); with a 500 naming a dead engine.
+DOWN_STATUS = {502, 503, 504}
 
 
 # What our evaluator samples with: softmax(z / T) and nothing else. Sent explicitly because vLLM otherwise applies the
@@ -251,6 +266,15 @@ def machine_description() -> str:
     return f"{model}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPU cores"
 
 
+def running_servers(cfg) -> list[str]:
+    """The roots of the running servers the eval should use (eval.engine_url, engine_urls, engine_urls_file), or []
+    to start one itself."""
+    from deepspec.data.engines.openai_engine import read_urls
+
+    e = cfg.eval
+    return read_urls(([e.engine_url] if e.engine_url else []) + list(e.engine_urls), e.engine_urls_file, "eval.engine_urls_file")
+
+
 def _metrics_from_url(base_url: str) -> dict[str, Any]:
     import httpx
 
@@ -263,7 +287,7 @@ def _metrics_from_url(base_url: str) -> dict[str, Any]:
 def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: str, items: list, results: dict[str, Any],
                 out_dir: Path) -> dict[str, Any]:
     """Run the benchmark prompts through vLLM with the exported draft; return engine vs ours per benchmark."""
-    from deepspec.serving import VLLMServer, counters_delta
+    from deepspec.serving import VLLMServer
     from deepspec.targets import load_tokenizer, resolve_target_path
 
     from deepspec.eval.runner import protocol
@@ -286,17 +310,14 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     for it in items:
         by_task.setdefault(it.task, []).append(it)
 
-    def run_all(url: str, model: str, counters) -> dict[str, Any]:
-        client = _Client(url, model, tokenizer, cfg, cfg.eval.engine_max_model_len, seeded=seeded)
+    def run_all(pool: ServerPool) -> dict[str, Any]:
         per_task: dict[str, Any] = {}
-        total_before = counters()
+        deltas, skipped = [], 0
         for task, task_items in by_task.items():
-            before = counters()
-            with ThreadPoolExecutor(max_workers=max(1, cfg.eval.engine_max_concurrency)) as pool:
-                futures = [pool.submit(client.conversation, it.row["turns"], cfg.eval.seed + it.index * 16, it.row.get("system")) for it in task_items]
-                for f in progress(futures, desc=f"vLLM {task}", unit="sample"):
-                    f.result()
-            delta = counters_delta(before, counters())
+            jobs = [Job(it.row["turns"], cfg.eval.seed + it.index * 16, it.row.get("system")) for it in task_items]
+            delta, n_skipped = pool.run(jobs, f"vLLM {task}")
+            deltas.append(delta)
+            skipped += n_skipped
             per_task[task] = cell = compare(results["tasks"].get(task, {}), delta, s, proto, proto)
             cell["served_as_trained"] = verdict = served_as_trained(cell, greedy=greedy, aligned=aligned)
             if verdict["decided"] and not verdict["ok"]:
@@ -307,24 +328,40 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
                             100 * SERVED_TOLERANCE)
             log.info("vLLM %s (%s): engine tau %s vs ours tau@%d %s", task, proto, _fmt(per_task[task]["engine_tau"]), s,
                      _fmt(per_task[task]["ours_tau_at_S"]))
-        overall = compare(results["overall"], counters_delta(total_before, counters()), s, proto, proto)
+        overall = compare(results["overall"], sum_deltas(deltas), s, proto, proto)
         overall["aggregation"] = "pooled: every verify round of every benchmark together"
         overall["served_as_trained"] = served_as_trained(overall, greedy=greedy, aligned=aligned)
         return {"tasks": per_task, "overall": overall, "overall_benchmark_mean": _benchmark_mean(per_task),
-                "skipped_requests_too_long": client.skipped, "protocol": proto, "seeded": seeded,
+                "skipped_requests_too_long": skipped, "protocol": proto, "seeded": seeded,
+                "servers": len(pool.endpoints), "conversations_redone_after_a_server_died": pool.redone,
                 "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}),
                 "sampling": {**PLAIN_SAMPLING, "temperature": cfg.eval.temperature}}
 
-    if cfg.eval.engine_url:
-        base = cfg.eval.engine_url.rstrip("/").removesuffix("/v1")
-        log.warning("using the running server %s: its counters include any other client's requests", base)
+    def pool_of(endpoints: list[Endpoint]) -> ServerPool:
+        return ServerPool(endpoints, cfg.eval.engine_max_concurrency, down_grace_s=cfg.eval.engine_down_grace_s)
+
+    urls = running_servers(cfg)
+    if urls:
+        import httpx
+
+        from deepspec.data.engines.openai_engine import SERVER_LOGS
+
+        log.warning("using %d running server(s): their counters include any other client's requests", len(urls))
         if cfg.eval.temperature != 0:
             log.warning("the running server is assumed to draft with draft_sample_method=%s (eval.draft_sample_method); "
                         "vLLM's default is greedy", cfg.eval.draft_sample_method)
-        models = __import__("httpx").get(base + "/v1/models", timeout=30).json()["data"]
-        out = run_all(base + "/v1", models[0]["id"], lambda: _metrics_from_url(base))
+        endpoints = []
+        for base in urls:
+            try:
+                model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise EngineError(f"The vLLM server {redact_text(base)} (eval.engine_url/engine_urls) does not answer "
+                                  f"/v1/models ({type(e).__name__}: {e}); start it, or fix the URL.") from e
+            client = _Client(base + "/v1", model, tokenizer, cfg, cfg.eval.engine_max_model_len, seeded=seeded)
+            endpoints.append(Endpoint(base, client, lambda b=base: _metrics_from_url(b), log=SERVER_LOGS.get(base)))
+        out = run_all(pool_of(endpoints))
         out["draft_sample_method_assumed"] = cfg.eval.draft_sample_method
-        out.update(engine="vllm", server=base, num_speculative_tokens=s)
+        out.update(engine="vllm", server=urls[0] if len(urls) == 1 else urls, num_speculative_tokens=s)
         return out
     if algo not in VLLM_METHODS:
         raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts (DSpark needs vLLM's GPU model runner); "
@@ -339,7 +376,9 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     timed_tokens = cfg.eval.engine_speedup_max_new_tokens
     server_kwargs = dict(extra_args=list(cfg.eval.engine_extra_args), dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len)
     with VLLMServer(target_path, speculative_config=spec, log_path=out_dir / "vllm_server.log", **server_kwargs) as server:
-        out = run_all(server.url, server.served_model_name, server.spec_decode_counters)
+        client = _Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, seeded=seeded)
+        out = run_all(pool_of([Endpoint(server.base_url, client, server.spec_decode_counters, log=str(out_dir / "vllm_server.log"),
+                                        exited=lambda: not server.running())]))
         if timed:
             spec_timing = time_tasks(_Client(server.url, server.served_model_name, tokenizer, cfg, cfg.eval.engine_max_model_len, timed_tokens,
                                              seeded=seeded),

@@ -464,6 +464,7 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
     if cfg.eval.engine == "vllm":
         from deepspec.eval.engine import engine_eval
 
+        write_reports(results, out_dir)  # ours is kept if the engine part fails (a server dying, a bad URL)
         results["engine"] = engine_eval(cfg, checkpoint_dir, meta, target_name, items, results, out_dir)
     with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as fh:
         for s in samples:

@@ -139,11 +139,13 @@ _FAULT_COUNTS: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
-    """Fault injection for tests: DEEPSPEC_FAULT_SIGTERM=<name>:<n> makes this process send itself a real SIGTERM
-    the n-th time it passes `name` (e.g. cache-batch:3 = after the third captured batch, mid-shard)."""
+    """Fault injection for tests: DEEPSPEC_FAULT_SIGTERM=<name>:<n>[:<SIGNAL>] makes this process send itself a real
+    SIGTERM (or the signal named, e.g. SIGKILL) the n-th time it passes `name` (e.g. cache-batch:3 = after the third
+    captured batch, mid-shard)."""
     spec = os.environ.get("DEEPSPEC_FAULT_SIGTERM")
     if not spec or not spec.startswith(name + ":"):
         return
+    _, n, *sig = spec.split(":")
     _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
-    if _FAULT_COUNTS[name] == int(spec.rsplit(":", 1)[1]):
-        os.kill(os.getpid(), signal.SIGTERM)
+    if _FAULT_COUNTS[name] == int(n):
+        os.kill(os.getpid(), getattr(signal, sig[0]) if sig else signal.SIGTERM)

@@ -660,6 +660,12 @@ def _spawn_workers(mp, nproc: int, args: tuple) -> None:
         with stop_on_signals("cache", lambda: "complete shards are kept"):
             while not ctx.join():
                 pass
+    except mp.ProcessExitedException as e:  # killed (the OOM killer, a kill -9) or died without a Python error
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
+        raise CacheError(f"Cache worker {e.error_index} (pid {e.error_pid}) {how}"
+                         + (" (SIGKILL is often the out-of-memory killer: see `dmesg`)" if e.signal_name == "SIGKILL" else "")
+                         + "; the other workers were stopped and every complete shard is kept: rerun the same command to "
+                           "continue.") from None
     except Preempted as e:
         for proc in ctx.processes:
             if proc.is_alive():

@@ -46,13 +46,14 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def read_urls(urls: list[str], urls_file: str | None) -> list[str]:
+def read_urls(urls: list[str], urls_file: str | None, setting: str = "data.regenerate.urls_file") -> list[str]:
     """URLs from the config/CLI plus a file (one per line, '#' comments), deduplicated in order."""
     out = list(urls)
     if urls_file:
         p = Path(urls_file).expanduser()
         if not p.is_file():
-            raise ConfigError(f"data.regenerate.urls_file {p} does not exist; start servers with scripts/data/launch_vllm_servers.sh.")
+            raise ConfigError(f"{setting} {p} does not exist; start the servers first (scripts/data/launch_vllm_servers.sh "
+                              "writes such a file).")
         for ln in p.read_text().splitlines():
             url, _, comment = ln.partition("#")
             out.append(url.strip())
