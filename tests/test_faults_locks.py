@@ -83,3 +83,30 @@ def test_lock_of_a_killed_holder_is_taken_over_with_a_warning(tmp_path, holder, 
         pass
     assert any(f"taking over the lock of pid {proc.pid}" in r.getMessage() for r in logs.records)
     assert not lock_path(folder).exists()  # released cleanly this time
+
+
+def test_eval_and_export_refuse_an_output_folder_in_use(tmp_path, holder, tiny_llama_dir):
+    from random_drafts import random_draft_checkpoint
+
+    from deepspec.config import load_config
+    from deepspec.eval.runner import evaluate
+    from deepspec.export.writers import export_draft
+    from deepspec.locks import FolderInUseError
+
+    _, ckpt = random_draft_checkpoint(tmp_path / "run" / "step_2", "llama", "eagle3")
+    out = tmp_path / "exports" / "e3"
+    export_draft(ckpt, out)
+    before = (out / "model.safetensors").read_bytes()
+    proc = holder(out)
+    with pytest.raises(FolderInUseError, match=f"e3 is in use by another training run: pid {proc.pid}"):
+        export_draft(ckpt, out)
+    assert (out / "model.safetensors").read_bytes() == before and not list(out.parent.glob(".e3.tmp-*"))
+    proc.kill()
+    proc.wait()
+    export_draft(ckpt, out)  # the lock of the killed holder is taken over
+    assert (out / "model.safetensors").read_bytes() == before and sorted(p.name for p in out.parent.iterdir()) == ["e3"]
+    cfg = load_config(None, [f"target.name={tiny_llama_dir}", "eval.tasks=[mt_bench]", "eval.max_samples=1"])
+    proc = holder(tmp_path / "ev")
+    with pytest.raises(FolderInUseError, match=f"ev is in use by another training run: pid {proc.pid}"):
+        evaluate(cfg, ckpt, output_dir=tmp_path / "ev")
+    assert not list((tmp_path / "ev").iterdir())  # it wrote nothing

@@ -412,9 +412,6 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
 
     `run_dir` (optional): a training run folder whose tensorboard / wandb receive `eval/...` scalars at `step`.
     """
-    from deepspec.config import config_to_dict, save_config
-    from deepspec.eval.report import log_to_run, write_reports
-
     checkpoint_dir = Path(checkpoint_dir)
     meta = checkpoint_provenance(checkpoint_dir)
     target_name = resolve_target_name(cfg, meta)
@@ -426,6 +423,17 @@ def evaluate(cfg, checkpoint_dir: str | Path, *, output_dir: str | Path | None =
     serving = serving_mode(cfg, prov)
     out_dir = Path(output_dir or cfg.eval.output_dir or checkpoint_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
+    from deepspec.locks import folder_lock
+
+    with folder_lock(out_dir, "evaluation"):  # two evals into one folder would delete each other's worker parts
+        return _evaluate_into(cfg, checkpoint_dir, meta, target_name, serving, out_dir, run_dir, step)
+
+
+def _evaluate_into(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: str, serving: dict[str, Any], out_dir: Path,
+                   run_dir: str | Path | None, step: int | None) -> dict[str, Any]:
+    from deepspec.config import config_to_dict, save_config
+    from deepspec.eval.report import log_to_run, write_reports
+
     items, info = build_work(cfg)
     world = num_workers(cfg)
     log.info("evaluating %s (%s) against %s: %d samples of %d tasks on %d worker(s), %s, %d draft tokens, chat template %s",

@@ -300,9 +300,6 @@ def export_draft(
     config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
     block_size - 1). `eval_results`: the eval results.json the model card (README.md) reports (default:
     `<checkpoint>/eval/results.json`; absent = the card says "not measured")."""
-    from safetensors.torch import save_file
-
-    from deepspec.export.card import find_eval_results, model_card
     from deepspec.export.sglang import BUILDERS
     from deepspec.export.serve import served_tokens
 
@@ -351,9 +348,25 @@ def export_draft(
         tensors[k] = v.contiguous()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from deepspec.locks import folder_lock
+
+    with folder_lock(out, "export"):
+        _write_export(out, cfg, tensors, algo, engines, Path(checkpoint), eval_results)
+    return out
+
+
+def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], algo: str, engines: dict[str, str | None],
+                  checkpoint: Path, eval_results: str | Path | None) -> None:
+    """Write the export into a hidden temporary folder and swap it in: `out` is always a whole export (the old one or
+    the new one), also for a server loading it meanwhile."""
+    from safetensors.torch import save_file
+
+    from deepspec.export.card import find_eval_results, model_card
+
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     keep = "The earlier export there is untouched; free" if out.exists() else "Free"
+    old: Path | None = None
     try:
         with room_for(out, tensor_bytes(tensors), "the export", f"{keep} some space and rerun the export."):
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -366,9 +379,13 @@ def export_draft(
             if recipe.is_file():  # the fully resolved training recipe travels with the export
                 shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
         if out.exists():
-            shutil.rmtree(out)
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not out.exists():
+            os.replace(old, out)  # the swap failed half-way: the earlier export goes back
         raise
-    return out
