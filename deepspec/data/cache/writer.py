@@ -157,24 +157,13 @@ def count_loss_tokens(counts: np.ndarray, input_ids, loss_mask) -> np.ndarray:
     return counts
 
 
-def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool = False) -> Plan:
-    """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes.
-    `count_tokens`: also count the loss-masked tokens (what the shards count when a cache is built)."""
-    from deepspec.targets import template_hash
-
-    src, _ = split_paths(cfg, split)
-    if not Path(src).is_file():
-        raise DataError(f"{src} does not exist; run `deepspec data regenerate` first (or set data.dir).")
+def _tokenize(src: Path, split: str, tokenizer, cfg, count_vocab: int | None):
+    """Render and tokenize every conversation of `src`: (samples kept, counts, loss-token counts when `count_vocab`)."""
     cc = cfg.cache
-    taps = resolve_taps(cfg, target_config.num_hidden_layers)
-    hidden = target_config.hidden_size
-    hc_mult, reduction, rows = tap_rows(cfg, target_config)
-    n_layers = len(taps) * rows + 1
     samples: list[Sample] = []
     counts = dict(input=0, dropped_short=0, truncated=0, samples=0, tokens=0, loss_tokens=0)
-    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
-    token_counts = np.zeros(max(vocab, 1), dtype=np.int64) if count_tokens else None
-    for offset, sid, messages in progress(iter_records(Path(src)), desc=f"tokenize {split}", unit="conv"):
+    token_counts = np.zeros(max(count_vocab, 1), dtype=np.int64) if count_vocab is not None else None
+    for offset, sid, messages in progress(iter_records(src), desc=f"tokenize {split}", unit="conv"):
         counts["input"] += 1
         r = render_conversation(tokenizer, messages, cfg.target.chat_template_kwargs, cc.max_length)
         n_loss = sum(r.loss_mask)
@@ -188,6 +177,32 @@ def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool =
         counts["loss_tokens"] += n_loss
         if token_counts is not None:
             token_counts = count_loss_tokens(token_counts, r.input_ids, r.loss_mask)
+    return samples, counts, token_counts
+
+
+def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool = False) -> Plan:
+    """Tokenize the split, apply min_loss_tokens / max_length, and cut shards of <= cache.shard_bytes.
+    `count_tokens`: also count the loss-masked tokens (what the shards count when a cache is built).
+    The tokenized part is shared through the data folder (plan_cache.py): one process of a run tokenizes."""
+    from deepspec.data.cache.plan_cache import tokenized, tokenizer_fingerprint
+    from deepspec.targets import template_hash
+
+    src, _ = split_paths(cfg, split)
+    if not Path(src).is_file():
+        raise DataError(f"{src} does not exist; run `deepspec data regenerate` first (or set data.dir).")
+    cc = cfg.cache
+    taps = resolve_taps(cfg, target_config.num_hidden_layers)
+    hidden = target_config.hidden_size
+    hc_mult, reduction, rows = tap_rows(cfg, target_config)
+    n_layers = len(taps) * rows + 1
+    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
+    data_sha = file_sha256(Path(src))
+    data_hash = data_sha[:16]  # = file_hash(src)
+    inputs = {"data_sha": data_sha, "split": split, "tokenizer": tokenizer_fingerprint(tokenizer),
+              "template_hash": template_hash(tokenizer), "chat_template_kwargs": cfg.target.chat_template_kwargs,
+              "max_length": cc.max_length, "min_loss_tokens": cc.min_loss_tokens, "count_tokens": count_tokens, "vocab": vocab}
+    samples, counts, token_counts = tokenized(
+        Path(src), split, inputs, lambda: _tokenize(Path(src), split, tokenizer, cfg, vocab if count_tokens else None))
     if not samples:
         raise DataError(
             f"No sample in {src} has >= cache.min_loss_tokens={cc.min_loss_tokens} assistant tokens "
@@ -220,7 +235,7 @@ def make_plan(cfg, split: str, tokenizer, target_config, *, count_tokens: bool =
         "shard_bytes": cc.shard_bytes,
         "batch_tokens": cc.batch_tokens,
         "capture_backend": cc.capture_backend,
-        "data_hash": file_hash(Path(src)),
+        "data_hash": data_hash,
     }
     meta = {"data_path": str(src), "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {}), "max_length": cc.max_length}
     return Plan(signature, samples, shards, counts, n_layers, hidden, vocab, cc.dtype, meta=meta, token_counts=token_counts)
