@@ -157,6 +157,27 @@ def test_run_name_is_the_experiment_not_the_overrides(tmp_path):
     assert a != b and len(a) <= 112
 
 
+def test_resuming_a_run_with_other_settings_names_them_and_stops_unless_allowed(tmp_path, logs):
+    """A typo in --opts must not silently continue a run with other settings: the differences are named and the
+    resume stops; worker counts and eval settings may change; run.allow_changes resumes with a warning."""
+    from deepspec.config import save_config
+    from deepspec.errors import CheckpointError
+    from deepspec.train.checkpoint import check_resume_settings
+
+    step = tmp_path / "run" / "step_4"
+    step.mkdir(parents=True)
+    save_config(load_config(None, ["train.lr=3e-4", "run.name=x"]), step)
+    check_resume_settings(load_config(None, ["train.lr=3e-4", "run.name=x", "train.num_workers=0", "eval.max_new_tokens=5"]), step)
+    typo = load_config(None, ["train.lr=3e-3", "run.name=x", "model.block_size=5"])
+    with pytest.raises(CheckpointError) as err:
+        check_resume_settings(typo, step)
+    message = str(err.value)
+    assert "train.lr: 0.0003 -> 0.003" in message and "model.block_size" in message and "run.allow_changes=true" in message
+    allowed = load_config(None, ["train.lr=3e-3", "run.name=x", "run.allow_changes=true"])
+    check_resume_settings(allowed, step)
+    assert any("resuming" in m and "train.lr: 0.0003 -> 0.003" in m for m in logs.messages)
+
+
 def test_quickstart_folder_is_the_same_with_or_without_native_bf16():
     """scripts/quickstart.sh adds data.prompts.max_samples=212 on CPUs without bf16: the run folder stays eagle3."""
     from pathlib import Path
