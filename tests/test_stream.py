@@ -430,6 +430,45 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     assert not list(spool.glob("*.rec"))
 
 
+def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_path, monkeypatch):
+    """A trainer's rank 0 publishes where its ranks will start reading (the plan's start_step: the resume step) before
+    it builds its model, so its producers fill those steps at once instead of idling until the first read; and only
+    those steps: nothing of the steps already trained."""
+    import threading
+
+    from deepspec.config import load_config
+    from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.channel import FileChannel
+    from deepspec.data.cache.stream import Producer
+    from deepspec.data.cache.writer import plan_split
+    from deepspec.train.batches import BatchPlan
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    cfg = load_config(recipe, ["cache.mode=stream", "cache.stream_ahead=1", "cache.spool_gb=0.01"])
+    plan = plan_split(cfg, "train")
+    doc = sp.plan_document(plan, seed=0, global_batch=GLOBAL, total_steps=STEPS, bucketing="length")
+    sp.put_json(FileChannel(spool), sp.PLAN, {**doc, "world": 1, "start_step": 2})  # a trainer resuming at step 2
+    order = BatchPlan(len(plan.samples), GLOBAL, GLOBAL, 1, 0, "length")
+    want = set(order.read_order(2, [s.length for s in plan.samples]))
+
+    def made() -> set[int]:
+        return {i for i in range(len(plan.samples)) if sp.record_path(spool, i).exists()}
+
+    stats: dict = {}
+    producer = threading.Thread(target=lambda: stats.update(Producer(cfg, spool=spool).run()))
+    producer.start()
+    try:
+        _wait(lambda: made() == want or not producer.is_alive(), 120, "step 2's records")
+        time.sleep(1.0)  # a producer that went on past its window would show it here
+        assert made() == want and not list(spool.glob("pos.*"))  # made before any read, and only step 2's samples
+    finally:
+        (spool / "done.0").write_text("{}")
+        producer.join(60)
+    assert stats["produced"] == GLOBAL, stats
+
+
 def test_a_read_record_evicted_before_its_move_is_kept_from_the_bytes_read(tmp_path):
     """With cache.spool_keep, once a reader has published its next position a producer may evict the record it just read
     (it is no longer wanted) before the reader moves it to kept/: the kept copy is then written from the bytes read."""

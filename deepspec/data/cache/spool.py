@@ -159,6 +159,16 @@ def trainer_cursors(channel, world: int) -> list[int] | None:
     return cursors
 
 
+def start_cursors(doc: dict[str, Any]) -> list[int] | None:
+    """Each rank's first plan position, from the plan's start step, before the ranks have published their own (rank r
+    reads positions k % global_batch % world == r, the first of them at start_step * global_batch + r); None for a
+    plan written without it."""
+    if doc.get("start_step") is None:
+        return None
+    G, world = int(doc["global_batch"]), int(doc["world"])
+    return [int(doc["start_step"]) * G + r for r in range(world)]
+
+
 def heartbeats(channel) -> list[dict[str, Any]]:
     """Every producer's last heartbeat."""
     return [b for n in channel.names("producer.", ".json") if (b := get_json(channel, n)) is not None]

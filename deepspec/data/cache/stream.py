@@ -141,7 +141,7 @@ class Producer:
                         self._complete_kept(plan, featurize, tokenizer, tconf)
                     break
                 live = True
-                cursors = sp.trainer_cursors(self.channel, int(doc["world"]))
+                cursors = sp.trainer_cursors(self.channel, int(doc["world"])) or sp.start_cursors(doc)
                 if cursors is None:
                     self._idle("waiting for the trainer's position")
                     continue
@@ -288,6 +288,16 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
+def _resume_step(cfg) -> int:
+    """The step a (re)started trainer resumes at: that of its newest intact checkpoint, as the training loop finds it."""
+    if not cfg.train.resume:
+        return 0
+    from deepspec.train.checkpoint import latest_step_dir, load_trainer_state
+
+    step_dir = latest_step_dir(cfg.run_dir)
+    return int(load_trainer_state(step_dir)["step"]) if step_dir is not None else 0
+
+
 def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen]:
     """`cache.stream_producers` producers on this machine, children of this trainer process (they exit when it does),
     each logging to <spool>/producer.<w>.log. The recipe travels as the resolved config, so they plan what it plans."""
@@ -346,7 +356,8 @@ def open_stream_datasets(cfg, info):
         for stale in (f"{sp.DONE}.", "pos."):
             channel.delete_matching(stale)
         doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total_steps, bucketing=cfg.train.bucketing)
-        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world})
+        # where the ranks will start reading, so producers fill the first steps while the trainer still builds its model
+        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world, "start_step": _resume_step(cfg)})
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
 
