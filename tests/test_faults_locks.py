@@ -101,6 +101,10 @@ def test_eval_and_export_refuse_an_output_folder_in_use(tmp_path, holder, tiny_l
     with pytest.raises(FolderInUseError, match=f"e3 is in use by another training run: pid {proc.pid}"):
         export_draft(ckpt, out)
     assert (out / "model.safetensors").read_bytes() == before and not list(out.parent.glob(".e3.tmp-*"))
+    from deepspec import cli
+
+    assert cli.main(["export", str(ckpt), "--out", str(out), "--skip-check"]) == 2  # the command: the same refusal
+    assert (out / "model.safetensors").read_bytes() == before and sorted(p.name for p in out.parent.iterdir()) == [".e3.lock", "e3"]
     proc.kill()
     proc.wait()
     export_draft(ckpt, out)  # the lock of the killed holder is taken over

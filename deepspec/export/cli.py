@@ -61,22 +61,23 @@ def main(args: argparse.Namespace) -> int:
     import shutil
     import uuid
 
-    from deepspec.export.writers import export_draft
+    from deepspec.export.writers import export_draft, swap_in
+    from deepspec.locks import folder_lock
     from deepspec.log import get_logger
 
     ckpt = Path(args.checkpoint).resolve() if Path(args.checkpoint).exists() else Path(args.checkpoint)
     out = Path(args.out) if args.out else ckpt.parent / f"{ckpt.name}-{args.fmt}"
     # written beside `out` under the same name (the model card names the folder), checked, then moved into place
     stage_dir = out.parent / f".{out.name}.check-{uuid.uuid4().hex[:8]}"
-    try:
-        staged = export_draft(ckpt, stage_dir / out.name, args.fmt, target=args.target, dtype=args.dtype,
-                              num_speculative_tokens=args.num_speculative_tokens, eval_results=args.eval_results)
-        _checked(staged, ckpt, args.fmt, args.skip_check)
-        if out.exists():
-            shutil.rmtree(out)
-        staged.rename(out)
-    finally:
-        shutil.rmtree(stage_dir, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "export"):  # a second export to the same folder stops at once, naming this one
+        try:
+            staged = export_draft(ckpt, stage_dir / out.name, args.fmt, target=args.target, dtype=args.dtype,
+                                  num_speculative_tokens=args.num_speculative_tokens, eval_results=args.eval_results)
+            _checked(staged, ckpt, args.fmt, args.skip_check)
+            swap_in(staged, out)
+        finally:
+            shutil.rmtree(stage_dir, ignore_errors=True)
     path = out
     get_logger(__name__).info("exported %s -> %s (%s)", args.checkpoint, path, args.fmt)
     if args.push_to_hub:

@@ -366,7 +366,6 @@ def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tenso
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     keep = "The earlier export there is untouched; free" if out.exists() else "Free"
-    old: Path | None = None
     try:
         with room_for(out, tensor_bytes(tensors), "the export", f"{keep} some space and rerun the export."):
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -378,14 +377,24 @@ def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tenso
             recipe = Path(checkpoint) / "config.yaml"
             if recipe.is_file():  # the fully resolved training recipe travels with the export
                 shutil.copyfile(recipe, tmp / "deepspec_config.yaml")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not out.exists():
-            os.replace(old, out)  # the swap failed half-way: the earlier export goes back
         raise
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Move the complete folder `new` to `out`, replacing what is there: the old one is renamed aside first (and put
+    back if the move fails), so `out` is always a whole folder, the old one or the new one."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
