@@ -16,14 +16,18 @@ from deepspec.drafts.checkpoint import save_draft
 from deepspec.targets import tiny_config
 
 
-def random_draft_checkpoint(out: Path, family: str, algorithm: str, **fields):
+def random_draft_checkpoint(out: Path, family: str, algorithm: str, head_dim: int | None = None, **fields):
     """(draft, checkpoint folder `out`) for tiny-`family`: target taps 0, 2, 3 and block size 4 unless `fields` say
-    otherwise; an EAGLE-3 draft vocabulary from rising token counts."""
+    otherwise; an EAGLE-3 draft vocabulary from rising token counts. `head_dim`: the target's (and so the draft's)
+    attention head size instead of the tiny config's 16 (vLLM's CPU kernels take 32 and up)."""
     fields.setdefault("target_layer_ids", [0, 2, 3])
     fields.setdefault("block_size", 4)
     cfg = ModelConfig(algorithm=algorithm, **fields)
     torch.manual_seed(0)
-    draft = get_algorithm(algorithm).from_target_config(tiny_config(family), cfg)
+    target = tiny_config(family)
+    if head_dim is not None:
+        target.head_dim = head_dim
+    draft = get_algorithm(algorithm).from_target_config(target, cfg)
     if algorithm == "eagle3":
         draft.set_token_frequencies(torch.arange(320).float())
     with torch.no_grad():

@@ -17,7 +17,10 @@ divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm;
 and from the config fields / tensors in which the export differs from what the checkpoint implies.
 
 Engines: SGLang's classes (export/check_sglang.py, SGLang's torch-native attention backend) for `--format sglang`
-exports of EAGLE-3 / 3.1 and DFlash; other pairs are reported as not covered, with the reason.
+exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3 class (export/check_vllm.py, vLLM's CPU attention backend and paged
+KV cache, built from the export as the engine builds it) for `--format vllm` EAGLE-3 / 3.1 exports, where vLLM's CPU
+build is installed and the draft's head size is one its CPU kernels take. Other pairs are reported as not covered,
+with the reason.
 """
 
 from __future__ import annotations
@@ -458,10 +461,9 @@ def _verdict(report: CheckReport, ec: EngineCheck, ours: dict[str, torch.Tensor]
 def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES, checkpoints: list | None = None,
                   timeout: float = 600.0) -> list[CheckReport]:
     """check_export for several exports, with one SGLang process for all of them."""
-    from deepspec.drafts.checkpoint import load_draft
     from deepspec.export.sglang_side import find_side_dir
 
-    reports, pending = [], []  # pending: (report, engine check, ours, inputs, cfg, export, ckpt)
+    reports, pending, pending_vllm = [], [], []  # pending: (report, engine check, ours, inputs, cfg, export, ckpt)
     for n, export in enumerate(exports):
         export = Path(export)
         cfg = _export_config(export)
@@ -479,27 +481,83 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
             if engine != fmt:
                 report.engines.append(_skip(engine, f"a --format {fmt} export is laid out for {fmt}, not {engine}."))
             elif engine == "vllm":
-                report.engines.append(_skip("vllm", "vLLM's draft classes are not built on CPU by this check yet (their attention "
-                                                    "needs vLLM's CPU attention metadata and KV cache); check a --format sglang export "
-                                                    "of the same checkpoint for the model code both engines share."))
+                why = _vllm_unchecked(algo, ckpt)
+                if why:
+                    report.engines.append(_skip("vllm", why))
+                    continue
+                draft, inputs = _our_side(ckpt, cfg, ds)
+                ec = EngineCheck("vllm", "pass", engine_class=VLLM_CLASSES[algo])
+                report.engines.append(ec)
+                pending_vllm.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
             elif algo not in SGLANG_CLASSES:
                 report.engines.append(_skip(engine, f"no {engine} check for {algo} yet (EAGLE-3 / 3.1 and DFlash are covered)."))
             elif find_side_dir() is None:
                 report.engines.append(_skip("sglang", "SGLang's sources are not installed beside deepspec "
                                                       "(run `bash scripts/sglang_side.sh` or set DEEPSPEC_SGLANG_SIDE)."))
             else:
-                draft = load_draft(ckpt).float().eval()
-                _round_to(draft, cfg.get("torch_dtype", "float32"))
-                num_layers = int(ds.get("provenance", {}).get("target_num_layers") or draft.arch.target_num_layers)
-                inputs = make_inputs(draft, num_layers)
+                draft, inputs = _our_side(ckpt, cfg, ds)
                 ec = EngineCheck("sglang", "pass", engine_class=SGLANG_CLASSES[algo])
                 report.engines.append(ec)
                 pending.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
-    if pending:
-        results = _run_sglang(find_side_dir(), [(p[5], p[3]) for p in pending], timeout)
-        for (report, ec, ours, _, cfg, export, ckpt), theirs in zip(pending, results):
-            _verdict(report, ec, ours, theirs, cfg, export, ckpt)
+    for run, jobs in ((lambda j: _run_sglang(find_side_dir(), j, timeout), pending), (lambda j: _run_vllm(j, timeout), pending_vllm)):
+        if jobs:
+            for (report, ec, ours, _, cfg, export, ckpt), theirs in zip(jobs, run([(p[5], p[3]) for p in jobs])):
+                if "skipped" in theirs:  # the engine's side found it cannot run here (e.g. vLLM built for a GPU)
+                    ec.status, ec.reason = "skipped", str(theirs["skipped"])
+                    continue
+                _verdict(report, ec, ours, theirs, cfg, export, ckpt)
     return reports
+
+
+def _our_side(ckpt: Path, cfg: dict[str, Any], ds: dict[str, Any]):
+    """Our draft rebuilt from the checkpoint, rounded to the export's dtype, and the seeded inputs for both sides."""
+    from deepspec.drafts.checkpoint import load_draft
+
+    draft = load_draft(ckpt).float().eval()
+    _round_to(draft, cfg.get("torch_dtype", "float32"))
+    num_layers = int(ds.get("provenance", {}).get("target_num_layers") or draft.arch.target_num_layers)
+    return draft, make_inputs(draft, num_layers)
+
+
+def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
+    """Why vLLM's classes cannot check this export here, or None."""
+    import importlib.util
+
+    from deepspec.drafts.checkpoint import read_draft_config
+    from deepspec.export.check_vllm import CPU_HEAD_SIZES
+
+    if algo not in VLLM_CLASSES:
+        return (f"no vLLM check for {algo} yet (EAGLE-3 / 3.1 is covered); check a --format sglang export of the same "
+                "checkpoint for the model code both engines share.")
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here."
+    head = int(read_draft_config(ckpt)["deepspec"]["arch"].get("head_dim") or 0)
+    if head not in CPU_HEAD_SIZES:
+        return f"vLLM's CPU attention kernels take head sizes {list(CPU_HEAD_SIZES)}, not this draft's {head}; check it on a GPU."
+    return None
+
+
+VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM"}
+
+
+def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) -> list[dict[str, torch.Tensor]]:
+    """Every (export, inputs) job through vLLM's classes, in one subprocess (vLLM's import takes ~10 s)."""
+    with tempfile.TemporaryDirectory(prefix="deepspec-check-") as tmp:
+        t = Path(tmp)
+        paths = []
+        for i, (export, inputs) in enumerate(jobs):
+            torch.save(inputs, t / f"inputs{i}.pt")
+            (t / f"job{i}.json").write_text(json.dumps({"export": str(export), "inputs": str(t / f"inputs{i}.pt"), "out": str(t / f"out{i}.pt")}))
+            paths.append(str(t / f"job{i}.json"))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "deepspec.export.check_vllm", *paths], capture_output=True, text=True,
+                                  timeout=timeout + 60 * len(jobs), env=env)
+            failure = f"vLLM's check process exited with status {proc.returncode}: {proc.stderr[-600:]}"
+        except subprocess.TimeoutExpired:
+            failure = f"vLLM's check process did not finish in {timeout + 60 * len(jobs):.0f} s"
+        return [torch.load(t / f"out{i}.pt", weights_only=True) if (t / f"out{i}.pt").is_file() else {"error": failure}
+                for i in range(len(jobs))]
 
 
 def check_export(export: str | Path, engines: tuple[str, ...] = ENGINES, checkpoint: str | Path | None = None,

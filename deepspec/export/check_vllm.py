@@ -1,0 +1,196 @@
+"""vLLM's side of `deepspec check`: an export pushed through vLLM's own EAGLE-3 draft class on CPU, with vLLM's CPU
+attention backend (its metadata builder, paged KV cache layout and kernels), built from the export folder the way the
+engine builds it (EngineArgs -> VllmConfig, the class vLLM picks for the export's architecture, its load_weights and
+process_weights_after_loading), without an engine, a scheduler or target weights.
+
+Run in a subprocess by export/check.py (vLLM's import chain and its torch.distributed set-up stay out of the caller):
+
+    python -m deepspec.export.check_vllm JOB.json [JOB.json ...]      (JOB: {"export", "inputs", "out"})
+
+Each job writes `out` (torch.save): {stage name: tensor} in the order vLLM computes them, or {"error": text}. What the
+engine does around the model is reproduced from its source (v1/spec_decode/eagle.py, the target's aux-state capture):
+the target layers captured are the ids in the config (the hidden state entering layer id, HF index id), the first
+step reads the next tokens over the prompt with the captured states through `combine_hidden_states`, logits go
+through the class's `compute_logits` (which maps draft ids to target ids), and the chain's next step reads the last
+row's draft token and second output (`norm_output` decides which). vLLM's target is only described: its config
+(the export's provenance target when that folder is here, else one written from the export's sizes) sets the
+vocabulary and the layer numbering; embeddings and LM head come from the shared seeded tables, as on our side.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+# head sizes vLLM's CPU attention kernels take (CPUAttentionBackend.get_supported_head_sizes in vLLM 0.32)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_DIST = {"ready": False}
+
+
+def _target_dir(cfg: dict, work: Path) -> Path:
+    """The target vLLM is told about: the provenance target's folder when it is here, else a config of the same
+    vocabulary, width and depth (vLLM reads only the config; no target weight is loaded)."""
+    prov = cfg.get("deepspec", {}).get("provenance", {})
+    named = Path(str(prov.get("target", "")))
+    if named.is_dir() and (named / "config.json").is_file():
+        return named
+    hidden = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+    heads = max(1, hidden // 32)
+    tdir = work / "target"
+    tdir.mkdir(exist_ok=True)
+    (tdir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "num_hidden_layers": int(prov.get("target_num_layers") or 2), "vocab_size": int(cfg["vocab_size"]),
+        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": hidden // heads, "intermediate_size": 2 * hidden,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32", "tie_word_embeddings": False,
+    }))
+    return tdir
+
+
+def _build(export: Path, work: Path):
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cfg = json.loads((export / "config.json").read_text())
+    args = EngineArgs(model=str(_target_dir(cfg, work)), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                      max_model_len=1024, speculative_config={"method": "eagle3", "model": str(export), "num_speculative_tokens": 2})
+    vc = args.create_engine_config()
+    with set_current_vllm_config(vc):
+        if not _DIST["ready"]:
+            from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                         backend="gloo")
+            ensure_model_parallel_initialized(1, 1)
+            _DIST["ready"] = True
+        draft_cfg = vc.speculative_config.draft_model_config
+        cls, _ = ModelRegistry.resolve_model_cls(draft_cfg.architectures, draft_cfg)
+        model = cls(vllm_config=vc).float().eval()
+        weights = load_file(str(export / "model.safetensors"))
+        model.load_weights(list(weights.items()))
+        process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    return cfg, vc, model, weights
+
+
+class _Attention:
+    """One request's paged KV cache for every attention layer of the model, and vLLM's CPU metadata over it."""
+
+    def __init__(self, vc, blocks: int = 4):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        self.vc, self.common = vc, CommonAttentionMetadata
+        self.layers = dict(vc.compilation_config.static_forward_context)
+        self.names = list(self.layers)
+        first = self.layers[self.names[0]]
+        self.spec = first.get_kv_cache_spec(vc)
+        for layer in self.layers.values():
+            spec = layer.get_kv_cache_spec(vc)
+            # CPUAttentionBackend's layout: [blocks, kv heads, block size, 2 x head size] (K then V in each row)
+            layer.kv_cache = torch.zeros(blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size, dtype=torch.float32)
+        self.builder = first.attn_backend.get_builder_cls()(self.spec, self.names, vc, torch.device("cpu"))
+        self.blocks = blocks
+
+    def run(self, fn, prefix: int, new: int):
+        """`fn()` with `new` tokens at positions prefix.. of the request (slots = positions)."""
+        from vllm.forward_context import set_forward_context
+
+        qsl = torch.tensor([0, new], dtype=torch.int32)
+        slots = torch.arange(prefix, prefix + new, dtype=torch.int64)
+        common = self.common(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([prefix + new], dtype=torch.int32),
+                             num_reqs=1, num_actual_tokens=new, max_query_len=new, max_seq_len=prefix + new,
+                             block_table_tensor=torch.arange(self.blocks, dtype=torch.int32)[None], slot_mapping=slots, causal=True)
+        meta = self.builder.build(0, common)
+        with set_forward_context({n: meta for n in self.names}, self.vc, num_tokens=new, slot_mapping={n: slots for n in self.names}):
+            return fn()
+
+
+def _layer_ids(cfg: dict) -> list[int]:
+    """The target layers vLLM captures for this export (gpu_model_runner: the top-level field, else eagle_config's)."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError("config.json names no eagle_aux_hidden_state_layer_ids: vLLM would capture its default layers")
+    return list(ids)
+
+
+def _streams(layers, out: list) -> list:
+    """Each decoder layer's residual stream (vLLM's layers return (mlp_out, residual): the stream is their sum)."""
+    return [layer.register_forward_hook(lambda mod, a, r: out.append(r[0] + r[1])) for layer in layers]
+
+
+def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
+    from deepspec.export.check import target_tables
+
+    cfg, vc, model, weights = _build(export, work)
+    ids, states = inp["input_ids"], inp["states"]
+    embed, head = target_tables(*inp["tables"].tolist())
+    m = ids.numel() - 1
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)  # the proposer shares the target's embeddings
+        if "lm_head.weight" not in weights:  # ... and its LM head when the draft has none of its own
+            model.lm_head.weight.copy_(head)
+        taps = states[:, _layer_ids(cfg)].flatten(-2)  # id = the state entering layer id = HF index id
+        out["step1.taps"] = taps
+        fc_out: list = []
+        hooks = [model.model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
+        streams: list = []
+        hooks += _streams(model.model.layers, streams)
+        attn = _Attention(vc)
+        step_ids = ids[1:]
+        hidden = model.combine_hidden_states(taps)
+        normed, aux = attn.run(lambda: model(step_ids, torch.arange(m), hidden), 0, m)
+        out["step1.fc"] = fc_out[0]
+        for i, s in enumerate(streams):
+            out[f"step1.layer{i}"] = s
+        out["step1.norm"] = normed
+        out["step1.logits"] = model.logits_processor(model.lm_head, normed)
+        out["step1.tokens"] = model.compute_logits(normed).argmax(-1)  # target ids (vLLM maps draft ids itself)
+        out["step1.next_hidden"] = aux
+        tok = out["step1.tokens"][-1:]
+        streams.clear()
+        normed2, _ = attn.run(lambda: model(tok, torch.tensor([m]), aux[-1:]), m, 1)
+        out["step2.input_token"] = tok
+        for i, s in enumerate(streams):
+            out[f"step2.layer{i}"] = s
+        out["step2.norm"] = normed2
+        out["step2.logits"] = model.logits_processor(model.lm_head, normed2)
+        out["step2.tokens"] = model.compute_logits(normed2).argmax(-1)
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def run_job(path: str) -> None:
+    job = json.loads(Path(path).read_text())
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            res = {"skipped": f"this check builds vLLM's classes with its CPU attention backend, and the vLLM here is "
+                              f"built for {current_platform.device_name or current_platform.device_type}; run it where "
+                              "vLLM's CPU build is installed (scripts/setup.sh on a machine without a GPU)."}
+            torch.save(res, job["out"])
+            return
+        inp = torch.load(job["inputs"], weights_only=True)
+        with tempfile.TemporaryDirectory(prefix="deepspec-vllm-check-") as work:
+            res = trace_eagle3(Path(job["export"]), inp, Path(work))
+    except Exception as e:  # noqa: BLE001 - the caller reports vLLM's failure as the divergence
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    torch.save(res, job["out"])
+
+
+if __name__ == "__main__":
+    for job_path in sys.argv[1:]:
+        run_job(job_path)

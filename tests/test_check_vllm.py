@@ -1,0 +1,103 @@
+"""`deepspec check` against vLLM's own EAGLE-3 class on CPU (export/check_vllm.py): a good --format vllm export agrees
+with our draft at every stage, and each broken copy is caught at its first divergent stage with its cause. The drafts
+use 32-wide attention heads (vLLM's CPU attention kernels take no smaller)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from random_drafts import edit_export, random_draft_checkpoint
+
+pytestmark = [pytest.mark.vllm]
+pytest.importorskip("vllm")
+
+
+def _aux_plus_one(cfg):
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _flip_norm_output(cfg):
+    cfg["norm_output"] = not cfg["norm_output"]
+
+
+def _drop_fc_norm(cfg):
+    cfg["fc_norm"] = False
+
+
+def _rope_theta_x4(cfg):
+    cfg["rope_parameters"]["rope_theta"] *= 4
+    cfg["rope_theta"] *= 4
+
+
+# case -> (config edit, tensor edit, first divergent stage, words its likely cause must contain)
+BROKEN = {
+    "aux ids + 1": (_aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
+    "fc_norm dropped": (_drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]], "step1.fc", "fc_norm"),
+    "norm_output flipped": (_flip_norm_output, None, "step1.next_hidden", "norm_output"),
+    # vLLM's own compute_logits indexes past the vocabulary with it (IndexError): caught as a failure to run, named d2t
+    "shifted d2t": (None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "loading or running the export", "d2t"),
+    "RoPE theta x4": (_rope_theta_x4, None, "step1.layer0", "rope_theta"),
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """EAGLE-3.1 (fc_norm, norm_output, draft vocabulary, two layers; bf16 export) and plain EAGLE-3 (full vocabulary),
+    and the broken copies of the first, through one vLLM process."""
+    from deepspec.export.check import check_exports
+    from deepspec.export.writers import export_draft
+
+    root = tmp_path_factory.mktemp("check_vllm")
+    good = {
+        "eagle31": ("llama", dict(target_layer_ids=[-1, 0, 2, 3], draft_vocab_size=100, num_draft_layers=2, fc_norm=True,
+                                  norm_output=True), "bfloat16"),
+        "eagle3": ("qwen3", dict(fc_norm=False, norm_output=False, qk_norm=False), "float32"),
+    }
+    exports = {}
+    for case, (family, fields, dtype) in good.items():
+        _, ckpt = random_draft_checkpoint(root / case / "ckpt", family, "eagle3", head_dim=32, **fields)
+        exports[case] = export_draft(ckpt, root / case / "vllm", "vllm", dtype=dtype)
+    for case, (cfg_fn, t_fn, _, _) in BROKEN.items():
+        exports[case] = edit_export(exports["eagle31"], root / case.replace(" ", "_"), cfg_fn, t_fn)
+    return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
+
+
+@pytest.mark.parametrize("case", ["eagle31", "eagle3"])
+def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
+    rep = reports[case]
+    ec = rep.engines[0]
+    print(rep.table())
+    assert ec.status == "pass" and not rep.diverged, rep.table()
+    layers = 2 if case == "eagle31" else 1
+    assert [r.stage for r in ec.rows] == [
+        "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",
+        "step1.next_hidden", "step2.input_token", *[f"step2.layer{i}" for i in range(layers)], "step2.norm", "step2.logits",
+        "step2.tokens"]
+    assert rep.table().endswith("verdict: no divergence (vllm)")
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_vllm_check_names_the_first_divergence_and_its_cause(case, reports):
+    rep = reports[case]
+    ec = rep.engines[0]
+    _, _, stage, words = BROKEN[case]
+    print(rep.table())
+    assert rep.diverged and ec.status == "diverged"
+    assert ec.first_mismatch == stage, rep.table()
+    assert words in ec.cause, ec.cause
+    if stage.startswith("step"):
+        assert all(r.ok for r in ec.rows[: [r.stage for r in ec.rows].index(stage)])  # everything before it agrees
+
+
+def test_vllm_check_says_why_it_cannot_check_a_draft(tmp_path):
+    """Heads narrower than vLLM's CPU kernels take, and algorithms without a vLLM check here: skipped with the reason."""
+    from deepspec.export.check import check_export
+    from deepspec.export.writers import export_draft
+
+    _, narrow = random_draft_checkpoint(tmp_path / "narrow", "llama", "eagle3")  # 16-wide heads
+    ec = check_export(export_draft(narrow, tmp_path / "narrow-vllm"), ("vllm",)).engines[0]
+    assert ec.status == "skipped" and "head sizes" in ec.reason and "16" in ec.reason
+    _, block = random_draft_checkpoint(tmp_path / "dflash", "qwen3", "dflash", head_dim=32, num_draft_layers=1, mask_token_id=259)
+    ec = check_export(export_draft(block, tmp_path / "dflash-vllm"), ("vllm",)).engines[0]
+    assert ec.status == "skipped" and "no vLLM check for dflash yet" in ec.reason
