@@ -460,7 +460,7 @@ def _verdict(report: CheckReport, ec: EngineCheck, ours: dict[str, torch.Tensor]
 
 def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES, checkpoints: list | None = None,
                   timeout: float = 600.0) -> list[CheckReport]:
-    """check_export for several exports, with one SGLang process for all of them."""
+    """check_export for several exports, with one SGLang process and one vLLM process for all of them."""
     from deepspec.export.sglang_side import find_side_dir
 
     reports, pending, pending_vllm = [], [], []  # pending: (report, engine check, ours, inputs, cfg, export, ckpt)
