@@ -95,7 +95,8 @@ def read_draft_config(directory: str | Path) -> dict[str, Any]:
 
 def _other_steps(directory: Path) -> str:
     """What to do about a damaged step: the run's other steps, newest first, or a re-save."""
-    steps = sorted((p for p in directory.parent.glob("step_*") if p.is_dir() and p.name != directory.name
+    this = directory.resolve()  # step_latest / step_best are links to a step_N
+    steps = sorted((p for p in directory.parent.glob("step_*") if p.is_dir() and p.resolve() != this
                     and p.name.removeprefix("step_").isdigit()), key=lambda p: int(p.name.removeprefix("step_")), reverse=True)
     if steps:
         return f"Use another step of the run (the newest other one is {steps[0]}), or resume training to write this one again."
