@@ -4,30 +4,16 @@ use 32-wide attention heads (vLLM's CPU attention kernels take no smaller)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from random_drafts import edit_export, random_draft_checkpoint
+from test_check import _drop_fc_norm, _flip_norm_output, _rope_theta_x4  # the same edits as the SGLang check's
 
 pytestmark = [pytest.mark.vllm]
 pytest.importorskip("vllm")
 
 
-def _aux_plus_one(cfg):
+def _aux_plus_one(cfg):  # vLLM's layout keeps the ids at the top level, SGLang's under eagle_config
     cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
-
-
-def _flip_norm_output(cfg):
-    cfg["norm_output"] = not cfg["norm_output"]
-
-
-def _drop_fc_norm(cfg):
-    cfg["fc_norm"] = False
-
-
-def _rope_theta_x4(cfg):
-    cfg["rope_parameters"]["rope_theta"] *= 4
-    cfg["rope_theta"] *= 4
 
 
 # case -> (config edit, tensor edit, first divergent stage, words its likely cause must contain)

@@ -96,8 +96,7 @@ class ServerPool:
 
         task = _Task(jobs)
         for e in self.endpoints:
-            if e.up or self._answers(e):
-                self._join(task, e)
+            self._join(task, e)
         bar = progress(total=len(jobs), desc=desc, unit="sample")
         with ThreadPoolExecutor(max_workers=self.concurrency * len(self.endpoints)) as pool:
             while True:
@@ -148,6 +147,11 @@ class ServerPool:
     # --- servers leaving and joining ---------------------------------------------------------------------------
 
     def _join(self, task: _Task, e: Endpoint) -> bool:
+        """Count `e` for this benchmark from now on, if it answers (one read of its counters: the probe and the
+        snapshot at once)."""
+        if e.exited():
+            e.up = False
+            return False
         try:
             task.before[e] = e.counters()
         except Exception as err:  # noqa: BLE001
@@ -177,21 +181,12 @@ class ServerPool:
                     len(lost), running, f"; its log: {e.log}" if e.log else "")
         return lost
 
-    def _answers(self, e: Endpoint) -> bool:
-        if e.exited():
-            return False
-        try:
-            e.counters()
-            return True
-        except Exception:  # noqa: BLE001
-            return False
-
     def _wait_for_a_server(self, task: _Task) -> None:
         """No server is left for this benchmark: probe them until one answers, or stop after down_grace_s."""
         t0 = time.monotonic()
         while True:
             for e in self.endpoints:
-                if e not in task.before and self._answers(e) and self._join(task, e):
+                if e not in task.before and self._join(task, e):
                     return
             if all(e.exited() for e in self.endpoints) or time.monotonic() - t0 >= self.down_grace_s:
                 break

@@ -183,6 +183,12 @@ def _stream_hooks(layers, out: list) -> list:
     return hooks
 
 
+def engine_layer_streams(layers, out: list) -> list:
+    """Hooks recording each engine decoder layer's residual stream: SGLang's and vLLM's layers return
+    (mlp_out, residual), and the stream is their sum."""
+    return [layer.register_forward_hook(lambda mod, a, r: out.append(r[0] + r[1])) for layer in layers]
+
+
 def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our draft's stages, through its own decoding proposer (the code our evaluator runs)."""
     with torch.no_grad():

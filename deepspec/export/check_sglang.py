@@ -99,16 +99,6 @@ def _build(export: Path):
     return cfg, model
 
 
-def _layer_hooks(layers, out: list):
-    """Each decoder layer's residual stream (SGLang returns (mlp_out, residual): the stream is their sum)."""
-
-    def hook(mod, args, res):
-        h, r = res
-        out.append(h + r)
-
-    return [layer.register_forward_hook(hook) for layer in layers]
-
-
 def _gather(states: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """SGLang's targets capture `id + 1` (set_eagle3_layers_to_capture / set_dflash_layers_to_capture): HF index id + 1."""
     return states[:, [i + 1 for i in ids]].flatten(-2)
@@ -116,7 +106,7 @@ def _gather(states: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 def trace_eagle3(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     cfg, model = _build(export)
-    from deepspec.export.check import target_tables
+    from deepspec.export.check import engine_layer_streams, target_tables
 
     ids, states = inp["input_ids"], inp["states"]
     embed, _ = target_tables(*inp["tables"].tolist())
@@ -135,7 +125,7 @@ def trace_eagle3(export: Path, inp: dict) -> dict[str, torch.Tensor]:
         fc_out: list = []
         hooks = [model.model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
         streams: list = []
-        hooks += _layer_hooks(model.model.layers, streams)
+        hooks += engine_layer_streams(model.model.layers, streams)
         run = _Runner(m + 4)
         step_ids, pos = ids[1:], torch.arange(m)
         fb = run.batch("extend", 0, m, taps)
@@ -167,7 +157,7 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     cfg, model = _build(export)
-    from deepspec.export.check import target_tables
+    from deepspec.export.check import engine_layer_streams, target_tables
 
     ids, states = inp["input_ids"], inp["states"]
     embed, head = target_tables(*inp["tables"].tolist())
@@ -197,7 +187,7 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
         block_ids[0] = ids[-1]
         out["block.input_ids"] = block_ids
         streams: list = []
-        hooks += _layer_hooks(model.layers, streams)
+        hooks += engine_layer_streams(model.layers, streams)
         fb = run.batch("extend", m, block)
         res = run.run(lambda fb: model(block_ids, torch.arange(m, m + block), fb, input_embeds=embed[block_ids]), fb)
         for i, s in enumerate(streams):

@@ -124,13 +124,8 @@ def _layer_ids(cfg: dict) -> list[int]:
     return list(ids)
 
 
-def _streams(layers, out: list) -> list:
-    """Each decoder layer's residual stream (vLLM's layers return (mlp_out, residual): the stream is their sum)."""
-    return [layer.register_forward_hook(lambda mod, a, r: out.append(r[0] + r[1])) for layer in layers]
-
-
 def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
-    from deepspec.export.check import target_tables
+    from deepspec.export.check import engine_layer_streams, target_tables
 
     cfg, vc, model, weights = _build(export, work)
     ids, states = inp["input_ids"], inp["states"]
@@ -146,7 +141,7 @@ def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]
         fc_out: list = []
         hooks = [model.model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
         streams: list = []
-        hooks += _streams(model.model.layers, streams)
+        hooks += engine_layer_streams(model.model.layers, streams)
         attn = _Attention(vc)
         step_ids = ids[1:]
         hidden = model.combine_hidden_states(taps)
