@@ -1,12 +1,12 @@
-"""`deepspec check` against vLLM's own EAGLE-3 class on CPU (export/check_vllm.py): a good --format vllm export agrees
-with our draft at every stage, and each broken copy is caught at its first divergent stage with its cause. The drafts
-use 32-wide attention heads (vLLM's CPU attention kernels take no smaller)."""
+"""`deepspec check` against vLLM's own EAGLE-3 and DFlash classes on CPU (export/check_vllm.py): a good --format vllm
+export agrees with our draft at every stage, and each broken copy is caught at its first divergent stage with its
+cause. The drafts use 32-wide attention heads (vLLM's CPU attention kernels take no smaller)."""
 
 from __future__ import annotations
 
 import pytest
 from random_drafts import edit_export, random_draft_checkpoint
-from test_check import _drop_fc_norm, _flip_norm_output, _rope_theta_x4  # the same edits as the SGLang check's
+from test_check import _causal_block, _drop_fc_norm, _flip_norm_output, _rope_theta_x4, _wrong_mask  # as the SGLang check's
 
 pytestmark = [pytest.mark.vllm]
 pytest.importorskip("vllm")
@@ -16,21 +16,40 @@ def _aux_plus_one(cfg):  # vLLM's layout keeps the ids at the top level, SGLang'
     cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
 
 
-# case -> (config edit, tensor edit, first divergent stage, words its likely cause must contain)
+def _dflash_ids_plus_one(cfg):
+    cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+
+
+def _scale_hidden_norm(t):
+    t["hidden_norm.weight"] = t["hidden_norm.weight"] * 2
+
+
+# case -> (good export it starts from, config edit, tensor edit, first divergent stage, words its likely cause must contain)
 BROKEN = {
-    "aux ids + 1": (_aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
-    "fc_norm dropped": (_drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]], "step1.fc", "fc_norm"),
-    "norm_output flipped": (_flip_norm_output, None, "step1.next_hidden", "norm_output"),
+    "aux ids + 1": ("eagle31", _aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
+    "fc_norm dropped": ("eagle31", _drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]],
+                        "step1.fc", "fc_norm"),
+    "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
     # vLLM's own compute_logits indexes past the vocabulary with it (IndexError): caught as a failure to run, named d2t
-    "shifted d2t": (None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "loading or running the export", "d2t"),
-    "RoPE theta x4": (_rope_theta_x4, None, "step1.layer0", "rope_theta"),
+    "shifted d2t": ("eagle31", None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "loading or running the export", "d2t"),
+    "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
+    "DFlash target ids + 1": ("dflash", _dflash_ids_plus_one, None, "block.taps", "target_layer_ids"),
+    "DFlash hidden_norm scaled": ("dflash", None, _scale_hidden_norm, "block.context", "hidden_norm"),
+    "DFlash wrong mask token": ("dflash", _wrong_mask, None, "block.input_ids", "mask_token_id"),
+    # vLLM's CPU attention honours the causal flag the export states
+    "DFlash causal block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
+    "DFlash RoPE theta x4": ("dflash", _rope_theta_x4, None, "block.layer0", "rope_theta"),
+    # the window is honoured: twice as wide lets the block see context the draft was trained without
+    "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
+                         "block.layer0", "sliding_window"),
 }
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """EAGLE-3.1 (fc_norm, norm_output, draft vocabulary, two layers; bf16 export) and plain EAGLE-3 (full vocabulary),
-    and the broken copies of the first, through one vLLM process."""
+    """EAGLE-3.1 (fc_norm, norm_output, draft vocabulary, two layers; bf16 export), plain EAGLE-3 (full vocabulary),
+    DFlash (two layers, draft vocabulary; bf16) and sliding-window DFlash (a window of one block, shorter than the
+    context), and the broken copies, through one vLLM process."""
     from deepspec.export.check import check_exports
     from deepspec.export.writers import export_draft
 
@@ -39,27 +58,35 @@ def reports(tmp_path_factory):
         "eagle31": ("llama", dict(target_layer_ids=[-1, 0, 2, 3], draft_vocab_size=100, num_draft_layers=2, fc_norm=True,
                                   norm_output=True), "bfloat16"),
         "eagle3": ("qwen3", dict(fc_norm=False, norm_output=False, qk_norm=False), "float32"),
+        "dflash": ("qwen3", dict(algorithm="dflash", num_draft_layers=2, mask_token_id=259, draft_vocab_size=100), "bfloat16"),
+        "dflash-sliding": ("qwen3", dict(algorithm="dflash", num_draft_layers=2, mask_token_id=259, sliding_window=4,
+                                         layer_types=["sliding_attention"] * 2), "float32"),
     }
     exports = {}
     for case, (family, fields, dtype) in good.items():
-        _, ckpt = random_draft_checkpoint(root / case / "ckpt", family, "eagle3", head_dim=32, **fields)
+        _, ckpt = random_draft_checkpoint(root / case / "ckpt", family, fields.pop("algorithm", "eagle3"), head_dim=32, **fields)
         exports[case] = export_draft(ckpt, root / case / "vllm", "vllm", dtype=dtype)
-    for case, (cfg_fn, t_fn, _, _) in BROKEN.items():
-        exports[case] = edit_export(exports["eagle31"], root / case.replace(" ", "_"), cfg_fn, t_fn)
+    for case, (base, cfg_fn, t_fn, _, _) in BROKEN.items():
+        exports[case] = edit_export(exports[base], root / case.replace(" ", "_"), cfg_fn, t_fn)
     return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
 
 
-@pytest.mark.parametrize("case", ["eagle31", "eagle3"])
+@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding"])
 def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
     rep = reports[case]
     ec = rep.engines[0]
     print(rep.table())
     assert ec.status == "pass" and not rep.diverged, rep.table()
-    layers = 2 if case == "eagle31" else 1
-    assert [r.stage for r in ec.rows] == [
-        "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",
-        "step1.next_hidden", "step2.input_token", *[f"step2.layer{i}" for i in range(layers)], "step2.norm", "step2.logits",
-        "step2.tokens"]
+    layers = 1 if case == "eagle3" else 2
+    if case.startswith("dflash"):
+        assert ec.engine_class.endswith("DFlashQwen3ForCausalLM")
+        assert [r.stage for r in ec.rows] == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0",
+                                              "block.layer1", "block.norm", "block.logits", "block.tokens"]
+    else:
+        assert [r.stage for r in ec.rows] == [
+            "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",
+            "step1.next_hidden", "step2.input_token", *[f"step2.layer{i}" for i in range(layers)], "step2.norm", "step2.logits",
+            "step2.tokens"]
     assert rep.table().endswith("verdict: no divergence (vllm)")
 
 
@@ -67,12 +94,12 @@ def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, report
 def test_vllm_check_names_the_first_divergence_and_its_cause(case, reports):
     rep = reports[case]
     ec = rep.engines[0]
-    _, _, stage, words = BROKEN[case]
+    _, _, _, stage, words = BROKEN[case]
     print(rep.table())
     assert rep.diverged and ec.status == "diverged"
     assert ec.first_mismatch == stage, rep.table()
     assert words in ec.cause, ec.cause
-    if stage.startswith("step"):
+    if stage.startswith(("step", "block")):
         assert all(r.ok for r in ec.rows[: [r.stage for r in ec.rows].index(stage)])  # everything before it agrees
 
 
@@ -84,6 +111,6 @@ def test_vllm_check_says_why_it_cannot_check_a_draft(tmp_path):
     _, narrow = random_draft_checkpoint(tmp_path / "narrow", "llama", "eagle3")  # 16-wide heads
     ec = check_export(export_draft(narrow, tmp_path / "narrow-vllm"), ("vllm",)).engines[0]
     assert ec.status == "skipped" and "head sizes" in ec.reason and "16" in ec.reason
-    _, block = random_draft_checkpoint(tmp_path / "dflash", "qwen3", "dflash", head_dim=32, num_draft_layers=1, mask_token_id=259)
-    ec = check_export(export_draft(block, tmp_path / "dflash-vllm"), ("vllm",)).engines[0]
-    assert ec.status == "skipped" and "no vLLM check for dflash yet" in ec.reason
+    _, block = random_draft_checkpoint(tmp_path / "dspark", "qwen3", "dspark", head_dim=32, num_draft_layers=1)
+    ec = check_export(export_draft(block, tmp_path / "dspark-vllm"), ("vllm",)).engines[0]
+    assert ec.status == "skipped" and "no vLLM check for dspark yet" in ec.reason

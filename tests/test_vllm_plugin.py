@@ -1,5 +1,6 @@
-"""deepspec's vLLM plugin: vLLM's CPU build expands per-token temperatures into uninitialised memory at T > 0
-(deepspec/vllm_plugin.py); with the plugin, the rejection sampler's expansion is right."""
+"""deepspec's vLLM plugin (deepspec/vllm_plugin.py): vLLM's CPU build expands per-token temperatures into
+uninitialised memory at T > 0, and its rms_norm reads only the first row of a per-layer weight (DFlash's context keys);
+with the plugin, both are right."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 temps = torch.tensor([1.0, 0.7, -1.0])   # -1: a greedy request (vLLM's GREEDY_TEMPERATURE) -> 1
 out = expand_batch_to_tokens(temps, torch.tensor([3, 5, 6], dtype=torch.int32), 6, replace_from=-1, replace_to=1)
 ids = expand_batch_to_tokens(torch.tensor([4, 9, 2]), torch.tensor([3, 5, 6], dtype=torch.int32), 6)
-print(json.dumps({"temperatures": out.tolist(), "ids": ids.tolist()}))
+from vllm import _custom_ops as ops     # DFlash's context keys: one k_norm weight row per layer
+k, w = torch.randn(3, 5, 2, 32, generator=torch.Generator().manual_seed(0)), torch.arange(1.0, 4.0)[:, None].repeat(1, 32)
+normed = torch.empty_like(k)
+ops.rms_norm(normed, k, w, 1e-6)
+want = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
+print(json.dumps({"temperatures": out.tolist(), "ids": ids.tolist(),
+                  "rms_norm_err_per_layer": (normed - want).abs().flatten(1).max(1).values.tolist()}))
 """
 
 
@@ -46,7 +53,7 @@ def _probe(fix: bool) -> dict:
 
 
 @pytest.mark.vllm
-def test_vllm_cpu_rejection_sampler_expands_temperatures_with_the_plugin():
+def test_vllm_cpu_fixes_with_the_plugin():
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
@@ -55,8 +62,11 @@ def test_vllm_cpu_rejection_sampler_expands_temperatures_with_the_plugin():
     fixed = _probe(fix=True)
     assert fixed["temperatures"] == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0])
     assert fixed["ids"] == [4, 4, 4, 9, 9, 2]  # integer expansion still runs vLLM's own kernel
+    assert max(fixed["rms_norm_err_per_layer"]) < 1e-5, fixed
     broken = _probe(fix=False)
     import vllm
 
     if vllm.__version__ == "0.32.0":  # the release the plugin was written against: without it the values are garbage
         assert broken["temperatures"] != pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0]), broken
+        err = broken["rms_norm_err_per_layer"]  # layer 0 right, later layers normed with layer 0's weight
+        assert err[0] < 1e-5 and min(err[1:]) > 0.5, broken

@@ -17,10 +17,10 @@ divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm;
 and from the config fields / tensors in which the export differs from what the checkpoint implies.
 
 Engines: SGLang's classes (export/check_sglang.py, SGLang's torch-native attention backend) for `--format sglang`
-exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3 class (export/check_vllm.py, vLLM's CPU attention backend and paged
-KV cache, built from the export as the engine builds it) for `--format vllm` EAGLE-3 / 3.1 exports, where vLLM's CPU
-build is installed and the draft's head size is one its CPU kernels take. Other pairs are reported as not covered,
-with the reason.
+exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3 and DFlash classes (export/check_vllm.py, vLLM's CPU attention
+backend and paged KV cache, built from the export as the engine builds it) for `--format vllm` exports of the same,
+where vLLM's CPU build is installed and the draft's head size is one its CPU kernels take. Other pairs (DSpark) are
+reported as not covered, with the reason.
 """
 
 from __future__ import annotations
@@ -533,8 +533,8 @@ def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
     from deepspec.export.check_vllm import CPU_HEAD_SIZES
 
     if algo not in VLLM_CLASSES:
-        return (f"no vLLM check for {algo} yet (EAGLE-3 / 3.1 is covered); check a --format sglang export of the same "
-                "checkpoint for the model code both engines share.")
+        return (f"no vLLM check for {algo} yet (EAGLE-3 / 3.1 and DFlash are covered); check a --format sglang export of "
+                "the same checkpoint for the model code both engines share.")
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed here."
     head = int(read_draft_config(ckpt)["deepspec"]["arch"].get("head_dim") or 0)
@@ -543,7 +543,8 @@ def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
     return None
 
 
-VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM"}
+VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",
+                "dflash": "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM"}
 
 
 def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) -> list[dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""vLLM's side of `deepspec check`: an export pushed through vLLM's own EAGLE-3 draft class on CPU, with vLLM's CPU
+"""vLLM's side of `deepspec check`: an export pushed through vLLM's own EAGLE-3 or DFlash draft class on CPU, with vLLM's CPU
 attention backend (its metadata builder, paged KV cache layout and kernels), built from the export folder the way the
 engine builds it (EngineArgs -> VllmConfig, the class vLLM picks for the export's architecture, its load_weights and
 process_weights_after_loading), without an engine, a scheduler or target weights.
@@ -8,13 +8,14 @@ Run in a subprocess by export/check.py (vLLM's import chain and its torch.distri
     python -m deepspec.export.check_vllm JOB.json [JOB.json ...]      (JOB: {"export", "inputs", "out"})
 
 Each job writes `out` (torch.save): {stage name: tensor} in the order vLLM computes them, or {"error": text}. What the
-engine does around the model is reproduced from its source (v1/spec_decode/eagle.py, the target's aux-state capture):
-the target layers captured are the ids in the config (the hidden state entering layer id, HF index id), the first
-step reads the next tokens over the prompt with the captured states through `combine_hidden_states`, logits go
+engine does around the model is reproduced from its source (v1/spec_decode/eagle.py and dflash.py, the model runner's
+aux-state capture): the target layers captured are those vLLM's model runner derives from the config; for EAGLE-3 the
+first step reads the next tokens over the prompt with the captured states through `combine_hidden_states`, logits go
 through the class's `compute_logits` (which maps draft ids to target ids), and the chain's next step reads the last
-row's draft token and second output (`norm_output` decides which). vLLM's target is only described: its config
-(the export's provenance target when that folder is here, else one written from the export's sizes) sets the
-vocabulary and the layer numbering; embeddings and LM head come from the shared seeded tables, as on our side.
+row's draft token and second output (`norm_output` decides which); for DFlash see trace_dflash. vLLM's general
+plugins are loaded first, as in every vLLM process. vLLM's target is only described: its config (the export's
+provenance target when that folder is here, else one written from the export's sizes) sets the vocabulary and the
+layer numbering; embeddings and LM head come from the shared seeded tables, as on our side.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import sys
 import tempfile
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,7 +55,10 @@ def _target_dir(cfg: dict, work: Path) -> Path:
     return tdir
 
 
-def _build(export: Path, work: Path):
+def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
+    """The draft class vLLM builds for the export, its weights loaded; the target's embeddings / LM head (the shared
+    tables) stand in where the proposer shares the target's (the draft has none of its own), set before
+    process_weights_after_loading, which on CPU packs linear weights into the kernels' own copies."""
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -61,9 +66,17 @@ def _build(export: Path, work: Path):
     from vllm.model_executor.models.registry import ModelRegistry
 
     cfg = json.loads((export / "config.json").read_text())
+    method = "dflash" if cfg["architectures"][0].startswith("DFlash") else "eagle3"
+    # DFlash drafts a whole block per pass: the engine is started with block_size - 1 speculative tokens
+    spec = int(cfg.get("block_size") or 2) - 1 if method == "dflash" else 2
     args = EngineArgs(model=str(_target_dir(cfg, work)), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-                      max_model_len=1024, speculative_config={"method": "eagle3", "model": str(export), "num_speculative_tokens": 2})
+                      max_model_len=1024, speculative_config={"method": method, "model": str(export), "num_speculative_tokens": spec})
     vc = args.create_engine_config()
+    if method == "dflash":  # as DFlashProposer._create_draft_vllm_config: the draft's layers attend both ways
+        from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+        if dflash_has_any_non_causal(vc.speculative_config.draft_model_config.hf_config):
+            vc = replace(vc, attention_config=replace(vc.attention_config, use_non_causal=True))
     with set_current_vllm_config(vc):
         if not _DIST["ready"]:
             from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -80,6 +93,11 @@ def _build(export: Path, work: Path):
         model = cls(vllm_config=vc).float().eval()
         weights = load_file(str(export / "model.safetensors"))
         model.load_weights(list(weights.items()))
+        with torch.no_grad():  # as the proposer's load_model: shared unless the checkpoint brought its own
+            if not getattr(model, "has_own_embed_tokens", False):
+                model.model.embed_tokens.weight.copy_(embed)
+            if not getattr(model, "has_own_lm_head", False):
+                model.lm_head.weight.copy_(head)
         process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
     return cfg, vc, model, weights
 
@@ -102,7 +120,7 @@ class _Attention:
         self.builder = first.attn_backend.get_builder_cls()(self.spec, self.names, vc, torch.device("cpu"))
         self.blocks = blocks
 
-    def run(self, fn, prefix: int, new: int):
+    def run(self, fn, prefix: int, new: int, causal: bool = True):
         """`fn()` with `new` tokens at positions prefix.. of the request (slots = positions)."""
         from vllm.forward_context import set_forward_context
 
@@ -110,33 +128,35 @@ class _Attention:
         slots = torch.arange(prefix, prefix + new, dtype=torch.int64)
         common = self.common(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([prefix + new], dtype=torch.int32),
                              num_reqs=1, num_actual_tokens=new, max_query_len=new, max_seq_len=prefix + new,
-                             block_table_tensor=torch.arange(self.blocks, dtype=torch.int32)[None], slot_mapping=slots, causal=True)
+                             block_table_tensor=torch.arange(self.blocks, dtype=torch.int32)[None], slot_mapping=slots, causal=causal)
         meta = self.builder.build(0, common)
         with set_forward_context({n: meta for n in self.names}, self.vc, num_tokens=new, slot_mapping={n: slots for n in self.names}):
             return fn()
 
 
-def _layer_ids(cfg: dict) -> list[int]:
-    """The target layers vLLM captures for this export (gpu_model_runner: the top-level field, else eagle_config's)."""
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+def _layer_ids(vc) -> list[int]:
+    """The target layers vLLM captures for this export, asked of its model runner's own method (an EAGLE-3 id is the
+    state entering layer id; a DFlash id the output of layer id, so the runner adds 1)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    ids = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=vc.speculative_config))
     if not ids:
-        raise ValueError("config.json names no eagle_aux_hidden_state_layer_ids: vLLM would capture its default layers")
+        raise ValueError("config.json names no aux layer ids (eagle_aux_hidden_state_layer_ids / dflash_config.target_layer_ids): "
+                         "vLLM would capture the target's default layers")
     return list(ids)
 
 
 def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
     from deepspec.export.check import engine_layer_streams, target_tables
 
-    cfg, vc, model, weights = _build(export, work)
     ids, states = inp["input_ids"], inp["states"]
-    embed, head = target_tables(*inp["tables"].tolist())
+    cfg, vc, model, weights = _build(export, work, *target_tables(*inp["tables"].tolist()))
     m = ids.numel() - 1
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(embed)  # the proposer shares the target's embeddings
-        if "lm_head.weight" not in weights:  # ... and its LM head when the draft has none of its own
-            model.lm_head.weight.copy_(head)
-        taps = states[:, _layer_ids(cfg)].flatten(-2)  # id = the state entering layer id = HF index id
+        taps = states[:, _layer_ids(vc)].flatten(-2)  # id = the state entering layer id = HF index id
         out["step1.taps"] = taps
         fc_out: list = []
         hooks = [model.model.fc.register_forward_hook(lambda mod, a, r: fc_out.append(r))]
@@ -167,6 +187,49 @@ def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]
     return out
 
 
+def trace_dflash(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
+    """One DFlash pass as vLLM's DFlashProposer runs it after prefill: the prompt's captured states -> fc
+    (combine_hidden_states) -> the context K/V every layer precomputes (hidden_norm, K/V projection, k_norm, RoPE at
+    the context positions) written into the paged cache; then the query block [next token, mask token x (block - 1)]
+    at the positions after the prompt, non-causal over context + block, and the class's logits over its mask rows."""
+    from deepspec.export.check import engine_layer_streams, target_tables
+
+    ids, states = inp["input_ids"], inp["states"]
+    cfg, vc, model, weights = _build(export, work, *target_tables(*inp["tables"].tolist()))
+    m = ids.numel() - 1
+    hf = vc.speculative_config.draft_model_config.hf_config
+    dcfg = getattr(hf, "dflash_config", None) or {}
+    mask_id = dcfg.get("mask_token_id", getattr(hf, "mask_token_id", None))  # as the proposer's parallel-drafting token
+    if mask_id is None:
+        raise ValueError("config.json names no dflash_config.mask_token_id: vLLM refuses a DFlash draft without one")
+    block = vc.speculative_config.num_speculative_tokens + 1
+    causal = all(model.get_draft_attn_causal())
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        taps = states[:, _layer_ids(vc)].flatten(-2)
+        out["block.taps"] = taps
+        ctx = model.combine_hidden_states(taps)
+        out["block.fc"] = ctx
+        out["block.context"] = model.model.hidden_norm(ctx)  # what _project_context_kv projects (vLLM's rms_norm op)
+        attn = _Attention(vc)
+        ctx_pos = torch.arange(m)
+        attn.run(lambda: model.precompute_and_store_context_kv(ctx, ctx_pos, ctx_pos.clone()), 0, m)
+        block_ids = torch.full((block,), int(mask_id), dtype=torch.long)
+        block_ids[0] = ids[-1]
+        out["block.input_ids"] = block_ids
+        streams: list = []
+        hooks = engine_layer_streams(model.model.layers, streams)
+        normed = attn.run(lambda: model(block_ids, torch.arange(m, m + block)), m, block, causal=causal)
+        for i, s in enumerate(streams):
+            out[f"block.layer{i}"] = s
+        out["block.norm"] = normed
+        out["block.logits"] = model.logits_processor(model.lm_head, normed[1:])  # the rows the proposer samples
+        out["block.tokens"] = model.compute_logits(normed[1:]).argmax(-1)
+        for h in hooks:
+            h.remove()
+    return out
+
+
 def run_job(path: str) -> None:
     job = json.loads(Path(path).read_text())
     try:
@@ -178,9 +241,14 @@ def run_job(path: str) -> None:
                               "vLLM's CPU build is installed (scripts/setup.sh on a machine without a GPU)."}
             torch.save(res, job["out"])
             return
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # as every vLLM process does (deepspec's own CPU fixes among them)
         inp = torch.load(job["inputs"], weights_only=True)
         with tempfile.TemporaryDirectory(prefix="deepspec-vllm-check-") as work:
-            res = trace_eagle3(Path(job["export"]), inp, Path(work))
+            export = Path(job["export"])
+            arch = json.loads((export / "config.json").read_text())["architectures"][0]
+            res = (trace_dflash if arch.startswith("DFlash") else trace_eagle3)(export, inp, Path(work))
     except Exception as e:  # noqa: BLE001 - the caller reports vLLM's failure as the divergence
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     torch.save(res, job["out"])
