@@ -114,3 +114,16 @@ def test_vllm_check_says_why_it_cannot_check_a_draft(tmp_path):
     _, block = random_draft_checkpoint(tmp_path / "dspark", "qwen3", "dspark", head_dim=32, num_draft_layers=1)
     ec = check_export(export_draft(block, tmp_path / "dspark-vllm"), ("vllm",)).engines[0]
     assert ec.status == "skipped" and "no vLLM check for dspark yet" in ec.reason
+
+
+def test_engine_eval_stops_before_serving_an_export_it_wrote_that_diverges(reports):
+    """The engine eval checks the export it writes before starting vLLM: a diverging one stops it with the check's
+    sentence (here a DFlash export whose mask token is off by one, as a faulty writer would produce)."""
+    from deepspec.errors import CheckpointError
+    from deepspec.eval.engine import check_own_export
+
+    rep = reports["DFlash wrong mask token"]
+    with pytest.raises(CheckpointError) as e:
+        check_own_export(rep.export, rep.checkpoint)
+    msg = str(e.value)
+    assert "stopped before starting vLLM" in msg and "block.input_ids" in msg and "mask_token_id" in msg, msg

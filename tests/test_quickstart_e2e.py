@@ -75,6 +75,8 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert engine["engine_accepted_tokens"] > 0, engine  # vLLM accepted tokens of our exported draft
     export = eval_dir / "export-vllm" / "config.json"  # engine-backed eval exports next to its results
     assert json.loads(export.read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 2, 15, 27]
+    # ... and checks it against vLLM's own class before serving it (SmolLM2's 64-wide heads run on vLLM's CPU kernels)
+    assert results["engine"]["export_check"]["status"] == "pass", results["engine"]["export_check"]
     summary = (out / PROJECT / "summary.md").read_text()
     assert "eagle3" in summary and "vLLM tau" in summary
     assert "served by vLLM: mean acceptance length per benchmark" in summary  # the held-out figure, not only overall

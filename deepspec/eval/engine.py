@@ -35,8 +35,9 @@ log = get_logger(__name__)
 VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # DSpark needs vLLM's GPU model runner
 
 
-def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) -> Path:
-    """Export the draft with the export stage's writer (the same code as `deepspec export CKPT --format vllm`).
+def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) -> tuple[Path, bool]:
+    """Export the draft with the export stage's writer (the same code as `deepspec export CKPT --format vllm`);
+    returns (folder, whether it was written here).
 
     `export.dir` set = use that folder as is when it already holds an export (e.g. made by hand).
     """
@@ -44,9 +45,29 @@ def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) 
 
     if cfg.export.dir and (Path(cfg.export.dir) / "config.json").is_file():
         log.info("using the existing vLLM export in %s", cfg.export.dir)
-        return Path(cfg.export.dir)
+        return Path(cfg.export.dir), False
     out = Path(cfg.export.dir) if cfg.export.dir else out_dir / "export-vllm"
-    return export_draft(checkpoint_dir, out, "vllm", target=target_path)
+    return export_draft(checkpoint_dir, out, "vllm", target=target_path), True
+
+
+def check_own_export(export_dir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+    """`deepspec check` on the export the eval wrote, before vLLM is started: a divergence stops the engine part with
+    the check's sentence (its figures would measure the export, not the draft); where the check cannot run here
+    the result says why. An export passed in through export.dir is served as given (check it with `deepspec check`)."""
+    from deepspec.errors import CheckpointError
+    from deepspec.export.check import check_export
+
+    ec = check_export(export_dir, ("vllm",), checkpoint=checkpoint_dir).engines[0]
+    if ec.status == "diverged":
+        raise CheckpointError(f"The engine eval stopped before starting vLLM: the export it wrote ({export_dir}) is not "
+                              f"computed as trained: {ec.reason[0].upper()}{ec.reason[1:]} Our own results are saved in "
+                              "results.json; run `deepspec check` on the export for the table.")
+    if ec.status == "skipped":
+        log.info("vLLM export check skipped: %s", ec.reason)
+    else:
+        log.info("vLLM export check passed: %s computes what the draft computes at every stage (%d stages)",
+                 ec.engine_class, len(ec.rows))
+    return {"status": ec.status, "engine_class": ec.engine_class, "stages": len(ec.rows), "reason": ec.reason or None}
 
 
 def engine_speculative_tokens(cfg, meta: dict[str, Any]) -> int:
@@ -367,7 +388,8 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
         raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts (DSpark needs vLLM's GPU model runner); "
                           "use eval.engine=none or eval.engine_url with a GPU server.")
     target_path = resolve_target_path(target_name)
-    export_dir = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
+    export_dir, written = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
+    export_check = check_own_export(export_dir, Path(checkpoint_dir)) if written else {"status": "not run: export.dir given"}
     # set explicitly: vLLM's default is greedy drafts, ours is whatever eval.draft_sample_method says
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": s,
             "draft_sample_method": cfg.eval.draft_sample_method}
@@ -396,7 +418,7 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     import vllm
 
     out.update(engine="vllm", engine_version=getattr(vllm, "__version__", None), machine=machine_description(),
-               speculative_config=spec, num_speculative_tokens=s)
+               speculative_config=spec, num_speculative_tokens=s, export_check=export_check)
     (out_dir / "engine_results.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     return out
 
