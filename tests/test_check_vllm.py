@@ -1,4 +1,4 @@
-"""`deepspec check` against vLLM's own EAGLE-3 and DFlash classes on CPU (export/check_vllm.py): a good --format vllm
+"""`deepspec check` against vLLM's own EAGLE-3, DFlash and DSpark classes on CPU (export/check_vllm.py): a good --format vllm
 export agrees with our draft at every stage, and each broken copy is caught at its first divergent stage with its
 cause. The drafts use 32-wide attention heads (vLLM's CPU attention kernels take no smaller)."""
 
@@ -40,6 +40,11 @@ BROKEN = {
     "DFlash causal block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
     "DFlash RoPE theta x4": ("dflash", _rope_theta_x4, None, "block.layer0", "rope_theta"),
     # the window is honoured: twice as wide lets the block see context the draft was trained without
+    # DSpark: the Markov head embedding the previous token one row off, and the anchor slot no longer predicting
+    "DSpark markov_w1 off by one": ("dspark", None, lambda t: t.__setitem__("markov_head.markov_w1.weight", t["markov_head.markov_w1.weight"].roll(1, 0)),
+                                    "block.markov_logits", "markov"),
+    "DSpark sample_from_anchor flipped": ("dspark", lambda c: c.__setitem__("sample_from_anchor", False), None, "block.input_ids",
+                                          "sample_from_anchor"),
     "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
                          "block.layer0", "sliding_window"),
 }
@@ -48,8 +53,9 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """EAGLE-3.1 (fc_norm, norm_output, draft vocabulary, two layers; bf16 export), plain EAGLE-3 (full vocabulary),
-    DFlash (two layers, draft vocabulary; bf16) and sliding-window DFlash (a window of one block, shorter than the
-    context), and the broken copies, through one vLLM process."""
+    DFlash (two layers, draft vocabulary; bf16), sliding-window DFlash (a window of one block, shorter than the
+    context), DSpark (two layers, draft vocabulary, Markov and confidence heads; bf16), and the broken copies, through
+    one vLLM process."""
     from deepspec.export.check import check_exports
     from deepspec.export.writers import export_draft
 
@@ -61,6 +67,7 @@ def reports(tmp_path_factory):
         "dflash": ("qwen3", dict(algorithm="dflash", num_draft_layers=2, mask_token_id=259, draft_vocab_size=100), "bfloat16"),
         "dflash-sliding": ("qwen3", dict(algorithm="dflash", num_draft_layers=2, mask_token_id=259, sliding_window=4,
                                          layer_types=["sliding_attention"] * 2), "float32"),
+        "dspark": ("qwen3", dict(algorithm="dspark", num_draft_layers=2, mask_token_id=259, draft_vocab_size=100), "bfloat16"),
     }
     exports = {}
     for case, (family, fields, dtype) in good.items():
@@ -71,17 +78,18 @@ def reports(tmp_path_factory):
     return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
 
 
-@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding"])
+@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark"])
 def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
     rep = reports[case]
     ec = rep.engines[0]
     print(rep.table())
     assert ec.status == "pass" and not rep.diverged, rep.table()
     layers = 1 if case == "eagle3" else 2
-    if case.startswith("dflash"):
-        assert ec.engine_class.endswith("DFlashQwen3ForCausalLM")
+    if case.startswith(("dflash", "dspark")):
+        assert ec.engine_class.endswith("DFlashQwen3ForCausalLM" if case.startswith("dflash") else "Qwen3DSparkForCausalLM")
         assert [r.stage for r in ec.rows] == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0",
-                                              "block.layer1", "block.norm", "block.logits", "block.tokens"]
+                                              "block.layer1", "block.norm", "block.logits",
+                                              *(["block.markov_logits"] if case == "dspark" else []), "block.tokens"]
     else:
         assert [r.stage for r in ec.rows] == [
             "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",
@@ -104,16 +112,13 @@ def test_vllm_check_names_the_first_divergence_and_its_cause(case, reports):
 
 
 def test_vllm_check_says_why_it_cannot_check_a_draft(tmp_path):
-    """Heads narrower than vLLM's CPU kernels take, and algorithms without a vLLM check here: skipped with the reason."""
+    """Heads narrower than vLLM's CPU kernels take: skipped with the reason."""
     from deepspec.export.check import check_export
     from deepspec.export.writers import export_draft
 
     _, narrow = random_draft_checkpoint(tmp_path / "narrow", "llama", "eagle3")  # 16-wide heads
     ec = check_export(export_draft(narrow, tmp_path / "narrow-vllm"), ("vllm",)).engines[0]
     assert ec.status == "skipped" and "head sizes" in ec.reason and "16" in ec.reason
-    _, block = random_draft_checkpoint(tmp_path / "dspark", "qwen3", "dspark", head_dim=32, num_draft_layers=1)
-    ec = check_export(export_draft(block, tmp_path / "dspark-vllm"), ("vllm",)).engines[0]
-    assert ec.status == "skipped" and "no vLLM check for dspark yet" in ec.reason
 
 
 def test_engine_eval_stops_before_serving_an_export_it_wrote_that_diverges(reports):

@@ -9,18 +9,19 @@ Both sides record every stage in the order the engine computes it:
   each layer's residual stream -> final norm -> logits -> greedy draft tokens (mapped to target ids through the
   vocabulary map) -> the hidden state the next step reads; then chain step 2 (the last row's token and hidden
   state, one query over the step-1 cache): its input token, each layer, norm, logits, token.
-  DFlash: taps -> fc -> context (hidden_norm) -> the block's input ids (anchor + mask token) -> each layer ->
-  final norm -> logits (target head) -> tokens.
+  DFlash / DSpark: taps -> fc -> context (hidden_norm) -> the block's input ids (anchor + mask token) -> each
+  layer -> final norm -> logits of the sampled rows -> (DSpark) those logits plus each slot's Markov bias, left to
+  right -> tokens.
 
 The first stage whose maximum absolute difference exceeds its tolerance (token ids: any difference) is the
 divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm; next hidden: norm_output; ...)
 and from the config fields / tensors in which the export differs from what the checkpoint implies.
 
 Engines: SGLang's classes (export/check_sglang.py, SGLang's torch-native attention backend) for `--format sglang`
-exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3 and DFlash classes (export/check_vllm.py, vLLM's CPU attention
-backend and paged KV cache, built from the export as the engine builds it) for `--format vllm` exports of the same,
-where vLLM's CPU build is installed and the draft's head size is one its CPU kernels take. Other pairs (DSpark) are
-reported as not covered, with the reason.
+exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3, DFlash and DSpark classes (export/check_vllm.py, vLLM's CPU
+attention backend and paged KV cache, built from the export as the engine builds it) for `--format vllm` exports,
+where vLLM's CPU build is installed and the draft's head size is one its CPU kernels take. Other pairs (DSpark in
+SGLang's layout) are reported as not covered, with the reason.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ CAUSES: list[tuple[str, str, tuple[str, ...]]] = [
     ("taps", "tap index / aux layer ids (the engine captures other target layers)", ("layer_ids", "num_aux_hidden_states")),
     ("fc", "fc_norm / norm_before_fc (how the taps are normed before fc) or the fc weight", ("fc_norm", "norm_before_fc", "input_norm", "fc.")),
     ("context", "the context projection (fc + hidden_norm)", ("hidden_norm", "fc.", "rms_norm_eps")),
-    ("input_ids", "mask token (dflash_config.mask_token_id) or block size", ("mask_token_id", "block_size")),
+    ("input_ids", "mask token (dflash_config.mask_token_id), block size or sample_from_anchor", ("mask_token_id", "block_size", "sample_from_anchor")),
     ("input_token", "vocabulary map d2t (the engine feeds step 2 another token)", ("d2t", "draft_vocab_size")),
     ("layer", "RoPE θ / scaling / partial rotary, attention mask or causal flag, rms_norm_eps, embedding scale, or layer weights",
      ("rope", "head_dim", "partial_rotary", "rms_norm_eps", "layer_types", "sliding_window", "causal", "layers.", "midlayer.",
       "num_attention_heads", "num_key_value_heads", "embed_scale")),
     ("norm", "final norm (norm.weight / rms_norm_eps)", ("norm.weight", "rms_norm_eps")),
     ("logits", "LM head or draft vocabulary size", ("lm_head", "draft_vocab_size", "vocab_size")),
+    ("markov_logits", "the Markov head (markov_w1 / markov_w2, markov_rank / markov_head_type)", ("markov", "draft_vocab_size")),
     ("tokens", "vocabulary map d2t (draft ids map to other target ids)", ("d2t", "t2d", "draft_vocab_size")),
     ("next_hidden", "norm_output (which hidden state the next chain step reads)", ("norm_output",)),
 ]
@@ -238,8 +240,11 @@ def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             hooks.append(draft.hidden_norm.register_forward_hook(lambda m, a, r: ctx_out.append(r[0])))
             hooks.append(draft.norm.register_forward_hook(lambda m, a, r: norm_out.append(r[0])))
             hooks += _stream_hooks(draft.layers, streams)
+            biases: list = []  # DSpark: the Markov bias of each drafted slot, left to right
+            if draft.algorithm == "dspark":
+                hooks.append(draft.markov_head.markov_w2.register_forward_hook(lambda m, a, r: biases.append(r[0])))
             try:
-                toks, _ = draft.proposer().propose(ids, taps, 0, draft.block_size - 1, temperature=0.0)
+                toks, _ = draft.proposer().propose(ids, taps, 0, draft.num_predictions, temperature=0.0)
             finally:
                 for h in hooks:
                     h.remove()
@@ -253,6 +258,8 @@ def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out["block.norm"] = norm_out[0]
             logits = draft.base_logits(norm_out[0][draft.first_slot:])
             out["block.logits"] = logits
+            if biases:
+                out["block.markov_logits"] = logits[: len(biases)] + torch.stack(biases)
             out["block.tokens"] = toks
         for h in hooks:
             h.remove()
@@ -533,8 +540,7 @@ def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
     from deepspec.export.check_vllm import CPU_HEAD_SIZES
 
     if algo not in VLLM_CLASSES:
-        return (f"no vLLM check for {algo} yet (EAGLE-3 / 3.1 and DFlash are covered); check a --format sglang export of "
-                "the same checkpoint for the model code both engines share.")
+        return f"no vLLM check for {algo} (EAGLE-3 / 3.1, DFlash and DSpark are covered)."
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed here."
     head = int(read_draft_config(ckpt)["deepspec"]["arch"].get("head_dim") or 0)
@@ -544,7 +550,8 @@ def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
 
 
 VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",
-                "dflash": "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM"}
+                "dflash": "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM",
+                "dspark": "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM"}
 
 
 def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) -> list[dict[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ engine does around the model is reproduced from its source (v1/spec_decode/eagle
 aux-state capture): the target layers captured are those vLLM's model runner derives from the config; for EAGLE-3 the
 first step reads the next tokens over the prompt with the captured states through `combine_hidden_states`, logits go
 through the class's `compute_logits` (which maps draft ids to target ids), and the chain's next step reads the last
-row's draft token and second output (`norm_output` decides which); for DFlash see trace_dflash. vLLM's general
+row's draft token and second output (`norm_output` decides which); for DFlash and DSpark see trace_block. vLLM's general
 plugins are loaded first, as in every vLLM process. vLLM's target is only described: its config (the export's
 provenance target when that folder is here, else one written from the export's sizes) sets the vocabulary and the
 layer numbering; embeddings and LM head come from the shared seeded tables, as on our side.
@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def _target_dir(cfg: dict, work: Path) -> Path:
     named = Path(str(prov.get("target", "")))
     if named.is_dir() and (named / "config.json").is_file():
         return named
+    cfg = {**cfg.get("transformer_layer_config", {}), **cfg}  # a speculators-format config nests the layer's sizes
     hidden = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
     heads = max(1, hidden // 32)
     tdir = work / "target"
@@ -55,6 +57,29 @@ def _target_dir(cfg: dict, work: Path) -> Path:
     return tdir
 
 
+def _method(cfg: dict) -> str:
+    arch = cfg["architectures"][0]
+    return "dflash" if arch.startswith("DFlash") else "dspark" if cfg.get("speculators_model_type") == "dspark" else "eagle3"
+
+
+@contextmanager
+def _without_runner_check(skip: bool):
+    """vLLM runs DSpark only under its GPU model runner V2, which needs Triton (its CPU build has none), and VllmConfig
+    refuses the config otherwise: for DSpark the config is made without that runner check. The class, its weights and
+    its attention are vLLM's own, as for the other drafts."""
+    if not skip:
+        yield
+        return
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._validate_v1_model_runner
+    VllmConfig._validate_v1_model_runner = lambda self: None
+    try:
+        yield
+    finally:
+        VllmConfig._validate_v1_model_runner = original
+
+
 def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
     """The draft class vLLM builds for the export, its weights loaded; the target's embeddings / LM head (the shared
     tables) stand in where the proposer shares the target's (the draft has none of its own), set before
@@ -66,17 +91,21 @@ def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
     from vllm.model_executor.models.registry import ModelRegistry
 
     cfg = json.loads((export / "config.json").read_text())
-    method = "dflash" if cfg["architectures"][0].startswith("DFlash") else "eagle3"
-    # DFlash drafts a whole block per pass: the engine is started with block_size - 1 speculative tokens
-    spec = int(cfg.get("block_size") or 2) - 1 if method == "dflash" else 2
+    method = _method(cfg)
+    # block drafts draft a whole block per pass: DFlash is served with block_size - 1 speculative tokens, DSpark with
+    # the count its speculators config names
+    spec = {"eagle3": 2, "dflash": int(cfg.get("block_size") or 2) - 1}.get(method) or int(
+        cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     args = EngineArgs(model=str(_target_dir(cfg, work)), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
                       max_model_len=1024, speculative_config={"method": method, "model": str(export), "num_speculative_tokens": spec})
-    vc = args.create_engine_config()
-    if method == "dflash":  # as DFlashProposer._create_draft_vllm_config: the draft's layers attend both ways
+    with _without_runner_check(method == "dspark"):
+        vc = args.create_engine_config()
+    if method != "eagle3":  # as DFlashProposer._create_draft_vllm_config / load_dspark_model: layers attend both ways
         from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
 
         if dflash_has_any_non_causal(vc.speculative_config.draft_model_config.hf_config):
-            vc = replace(vc, attention_config=replace(vc.attention_config, use_non_causal=True))
+            with _without_runner_check(method == "dspark"):
+                vc = replace(vc, attention_config=replace(vc.attention_config, use_non_causal=True))
     with set_current_vllm_config(vc):
         if not _DIST["ready"]:
             from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -134,14 +163,20 @@ class _Attention:
             return fn()
 
 
-def _layer_ids(vc) -> list[int]:
+def _layer_ids(vc, runner_v2: bool = False) -> list[int]:
     """The target layers vLLM captures for this export, asked of its model runner's own method (an EAGLE-3 id is the
-    state entering layer id; a DFlash id the output of layer id, so the runner adds 1)."""
-    from types import SimpleNamespace
+    state entering layer id; a DFlash id the output of layer id, so the runner adds 1). `runner_v2`: the GPU model
+    runner V2's (the only one that runs DSpark)."""
+    if runner_v2:
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        ids = get_eagle3_aux_layers_from_config(vc.speculative_config)
+    else:
+        from types import SimpleNamespace
 
-    ids = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=vc.speculative_config))
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        ids = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=vc.speculative_config))
     if not ids:
         raise ValueError("config.json names no aux layer ids (eagle_aux_hidden_state_layer_ids / dflash_config.target_layer_ids): "
                          "vLLM would capture the target's default layers")
@@ -187,26 +222,33 @@ def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]
     return out
 
 
-def trace_dflash(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
-    """One DFlash pass as vLLM's DFlashProposer runs it after prefill: the prompt's captured states -> fc
-    (combine_hidden_states) -> the context K/V every layer precomputes (hidden_norm, K/V projection, k_norm, RoPE at
-    the context positions) written into the paged cache; then the query block [next token, mask token x (block - 1)]
-    at the positions after the prompt, non-causal over context + block, and the class's logits over its mask rows."""
+def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
+    """One DFlash / DSpark pass as vLLM's proposers run it after prefill (v1/spec_decode/dflash.py; DSpark: the GPU
+    model runner V2's DSparkSpeculator, whose model class is built and run here the same way): the prompt's captured
+    states -> fc (combine_hidden_states) -> the context K/V every layer precomputes (hidden_norm, K/V projection,
+    k_norm, RoPE at the context positions) written into the paged cache; then the query block [next token, mask
+    token ...] at the positions after the prompt, with the causal flag the export states, over context + block; then
+    the rows the proposer samples: DFlash's mask rows through compute_logits, DSpark's every row (sample_from_anchor)
+    or its mask rows through compute_draft_logits and, left to right, the Markov bias of the token drafted before
+    (greedy: argmax, mapped to target ids)."""
     from deepspec.export.check import engine_layer_streams, target_tables
 
     ids, states = inp["input_ids"], inp["states"]
     cfg, vc, model, weights = _build(export, work, *target_tables(*inp["tables"].tolist()))
+    dspark = _method(cfg) == "dspark"
     m = ids.numel() - 1
     hf = vc.speculative_config.draft_model_config.hf_config
     dcfg = getattr(hf, "dflash_config", None) or {}
     mask_id = dcfg.get("mask_token_id", getattr(hf, "mask_token_id", None))  # as the proposer's parallel-drafting token
     if mask_id is None:
-        raise ValueError("config.json names no dflash_config.mask_token_id: vLLM refuses a DFlash draft without one")
-    block = vc.speculative_config.num_speculative_tokens + 1
+        raise ValueError("config.json names no mask token id (dflash_config.mask_token_id / mask_token_id): vLLM refuses the draft")
+    spec = vc.speculative_config.num_speculative_tokens
+    from_anchor = dspark and bool(getattr(hf, "sample_from_anchor", True))
+    block = spec if from_anchor else spec + 1
     causal = all(model.get_draft_attn_causal())
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        taps = states[:, _layer_ids(vc)].flatten(-2)
+        taps = states[:, _layer_ids(vc, runner_v2=dspark)].flatten(-2)
         out["block.taps"] = taps
         ctx = model.combine_hidden_states(taps)
         out["block.fc"] = ctx
@@ -220,13 +262,26 @@ def trace_dflash(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]
         streams: list = []
         hooks = engine_layer_streams(model.model.layers, streams)
         normed = attn.run(lambda: model(block_ids, torch.arange(m, m + block)), m, block, causal=causal)
+        for h in hooks:
+            h.remove()
         for i, s in enumerate(streams):
             out[f"block.layer{i}"] = s
         out["block.norm"] = normed
-        out["block.logits"] = model.logits_processor(model.lm_head, normed[1:])  # the rows the proposer samples
-        out["block.tokens"] = model.compute_logits(normed[1:]).argmax(-1)
-        for h in hooks:
-            h.remove()
+        rows = normed if from_anchor else normed[1:]  # the rows the proposer samples
+        if not dspark:
+            out["block.logits"] = model.logits_processor(model.lm_head, rows)
+            out["block.tokens"] = model.compute_logits(rows).argmax(-1)
+            return out
+        base = model.compute_draft_logits(rows)
+        out["block.logits"] = base
+        prev, steps, toks = block_ids[:1], [], []
+        for i in range(spec):  # DSparkSpeculator._sample_sequential, greedy
+            logits_i = base[i : i + 1] + model.markov_bias(model.markov_embed(prev))
+            steps.append(logits_i[0])
+            prev = model.map_draft_to_target(logits_i.argmax(-1))
+            toks.append(prev[0])
+        out["block.markov_logits"] = torch.stack(steps)
+        out["block.tokens"] = torch.stack(toks)
     return out
 
 
@@ -247,8 +302,8 @@ def run_job(path: str) -> None:
         inp = torch.load(job["inputs"], weights_only=True)
         with tempfile.TemporaryDirectory(prefix="deepspec-vllm-check-") as work:
             export = Path(job["export"])
-            arch = json.loads((export / "config.json").read_text())["architectures"][0]
-            res = (trace_dflash if arch.startswith("DFlash") else trace_eagle3)(export, inp, Path(work))
+            res = (trace_eagle3 if _method(json.loads((export / "config.json").read_text())) == "eagle3" else trace_block)(
+                export, inp, Path(work))
     except Exception as e:  # noqa: BLE001 - the caller reports vLLM's failure as the divergence
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     torch.save(res, job["out"])
