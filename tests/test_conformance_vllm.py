@@ -158,6 +158,11 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
         assert cfg["deepspec"]["num_speculative_tokens"] == S and cfg["draft_vocab_size"] == 8192
     if draft == "dflash-sliding":
         assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == WINDOW
+    if algorithm == "dflash":  # `deepspec check` against vLLM's class on the trained export (EAGLE-3.1: the quickstart e2e)
+        from deepspec.export.check import check_export
+
+        rep = check_export(export, ("vllm",))
+        assert rep.engines[0].status == "pass", rep.table()
     spec = {"method": VLLM_METHODS[algorithm], "model": str(export), "num_speculative_tokens": S, "draft_sample_method": "greedy"}
     with VLLMServer(smollm2_dir, speculative_config=spec, dtype="float32", max_model_len=1024, log_path=tmp_path / "vllm.log") as server:
         greedy = _eval(ckpt, tmp_path / "t0", f"eval.engine_url={server.url}")

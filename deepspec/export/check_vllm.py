@@ -100,11 +100,10 @@ def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
                       max_model_len=1024, speculative_config={"method": method, "model": str(export), "num_speculative_tokens": spec})
     with _without_runner_check(method == "dspark"):
         vc = args.create_engine_config()
-    if method != "eagle3":  # as DFlashProposer._create_draft_vllm_config / load_dspark_model: layers attend both ways
-        from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+        if method != "eagle3":  # as DFlashProposer._create_draft_vllm_config / load_dspark_model: layers attend both ways
+            from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
 
-        if dflash_has_any_non_causal(vc.speculative_config.draft_model_config.hf_config):
-            with _without_runner_check(method == "dspark"):
+            if dflash_has_any_non_causal(vc.speculative_config.draft_model_config.hf_config):
                 vc = replace(vc, attention_config=replace(vc.attention_config, use_non_causal=True))
     with set_current_vllm_config(vc):
         if not _DIST["ready"]:
