@@ -26,6 +26,8 @@ GOOD = {
     # EAGLE-3 for a Qwen3 target with Llama-style layers, full vocabulary
     "eagle3": ("qwen3", "eagle3", dict(fc_norm=False, norm_output=False, qk_norm=False)),
     "dflash": ("qwen3", "dflash", dict(num_draft_layers=2, mask_token_id=259)),
+    # DSpark with the RNN Markov head (its cell's columns are reordered for SGLang) and a confidence head
+    "dspark-rnn": ("qwen3", "dspark", dict(num_draft_layers=2, mask_token_id=259, markov_head_type="rnn")),
 }
 
 
@@ -50,6 +52,12 @@ def _causal_block(cfg):
     cfg["is_causal"] = True  # SGLang's DFlash layers then run as DECODER (causal) attention, not ENCODER_ONLY
 
 
+def _rnn_columns_unswapped(t):
+    """The RNN cell's weight in our column order [hidden, prev, state] instead of SGLang's [state, prev, hidden]."""
+    w, r = t["markov_head.joint_proj.weight"], t["markov_head.markov_w1.weight"].shape[1]
+    t["markov_head.joint_proj.weight"] = torch.cat([w[:, 2 * r :], w[:, r : 2 * r], w[:, :r]], dim=1)
+
+
 def _wrong_mask(cfg):
     cfg["dflash_config"]["mask_token_id"] = cfg["dflash_config"]["mask_token_id"] - 1
 
@@ -65,6 +73,7 @@ BROKEN = {
     "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
     # SGLang's attention semantics are exercised: its causal flag changes the block's attention
     "causal DFlash block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
+    "DSpark RNN cell columns unswapped": ("dspark-rnn", None, _rnn_columns_unswapped, "block.markov_logits", "markov"),
 }
 
 
@@ -102,7 +111,8 @@ def test_check_finds_no_divergence_in_sglang(case, reports):
                           "step2.norm", "step2.logits", "step2.tokens"]
     else:
         assert stages == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0", "block.layer1",
-                          "block.norm", "block.logits", "block.tokens"]
+                          "block.norm", "block.logits", *(["block.markov_logits"] if case == "dspark-rnn" else []),
+                          "block.tokens"]
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

@@ -18,10 +18,10 @@ divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm;
 and from the config fields / tensors in which the export differs from what the checkpoint implies.
 
 Engines: SGLang's classes (export/check_sglang.py, SGLang's torch-native attention backend) for `--format sglang`
-exports of EAGLE-3 / 3.1 and DFlash; vLLM's EAGLE-3, DFlash and DSpark classes (export/check_vllm.py, vLLM's CPU
-attention backend and paged KV cache, built from the export as the engine builds it) for `--format vllm` exports,
-where vLLM's CPU build is installed and the draft's head size is one its CPU kernels take. Other pairs (DSpark in
-SGLang's layout) are reported as not covered, with the reason.
+exports; vLLM's classes (export/check_vllm.py, vLLM's CPU attention backend and paged KV cache, built from the export
+as the engine builds it) for `--format vllm` exports, where vLLM's CPU build is installed and the draft's head size is
+one its CPU kernels take. EAGLE-3 / 3.1, DFlash and DSpark are covered on both; what cannot run here is reported as
+skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -448,7 +448,8 @@ def _skip(engine: str, why: str) -> EngineCheck:
     return EngineCheck(engine, "skipped", why)
 
 
-SGLANG_CLASSES = {"eagle3": "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3", "dflash": "sglang.srt.models.dflash.DFlashDraftModel"}
+SGLANG_CLASSES = {"eagle3": "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3", "dflash": "sglang.srt.models.dflash.DFlashDraftModel",
+                  "dspark": "sglang.srt.models.dspark.Qwen3DSparkModel"}
 
 
 def _verdict(report: CheckReport, ec: EngineCheck, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], cfg, export, ckpt) -> None:
@@ -503,7 +504,7 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
                 report.engines.append(ec)
                 pending_vllm.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
             elif algo not in SGLANG_CLASSES:
-                report.engines.append(_skip(engine, f"no {engine} check for {algo} yet (EAGLE-3 / 3.1 and DFlash are covered)."))
+                report.engines.append(_skip(engine, f"no {engine} check for {algo} (EAGLE-3 / 3.1, DFlash and DSpark are covered)."))
             elif find_side_dir() is None:
                 report.engines.append(_skip("sglang", "SGLang's sources are not installed beside deepspec "
                                                       "(run `bash scripts/sglang_side.sh` or set DEEPSPEC_SGLANG_SIDE)."))

@@ -91,7 +91,7 @@ def _build(export: Path):
 
     cfg = get_config(str(export), trust_remote_code=False)
     arch = cfg.architectures[0]
-    module = {"LlamaForCausalLMEagle3": "llama_eagle3", "DFlashDraftModel": "dflash"}.get(arch)
+    module = {"LlamaForCausalLMEagle3": "llama_eagle3", "DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}.get(arch)
     if module is None:
         raise ValueError(f"no SGLang check for architecture {arch}")
     model = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)(cfg).float().eval()
@@ -154,6 +154,10 @@ def trace_eagle3(export: Path, inp: dict) -> dict[str, torch.Tensor]:
 
 
 def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
+    """One block as SGLang's DFlash worker runs it (dflash_worker_v2) or, for DSpark, its DSpark worker
+    (dspark_components/dspark_draft.py): the block is gamma slots when the anchor slot predicts (sample_from_anchor),
+    else gamma + 1; the sampled rows go through the target head and, left to right, the Markov head's bias for the
+    token drafted before (greedy, as its _draft_step: base + step_bias, argmax)."""
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     cfg, model = _build(export)
@@ -164,6 +168,10 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     m = ids.numel() - 1
     dcfg = getattr(cfg, "dflash_config", None) or {}
     block = int(dcfg.get("block_size") or getattr(cfg, "block_size", 16))
+    dspark = hasattr(model, "markov_head")
+    from_anchor = dspark and bool(model.sample_from_anchor)
+    if dspark and not from_anchor:
+        block += 1  # DSpark's block_size is gamma, the drafted tokens; the bonus slot comes on top
     mask_id = dcfg.get("mask_token_id")
     if mask_id is None:
         raise ValueError("config.json has no dflash_config.mask_token_id")
@@ -177,7 +185,10 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
         out["block.fc"], out["block.context"] = fc_out[0], ctx
         run = _Runner(m + block + 2)
         ctx_pos, loc = torch.arange(m), torch.arange(m)
-        for layer in model.layers:  # as dflash_worker_v2._append_target_hidden_sequential
+        if dspark:  # the DSpark model writes its own context K/V (its fused GPU kernel, else per layer as below)
+            model.write_target_hidden_kv(target_hidden=ctx, pool=run.pool, positions=ctx_pos, cache_loc=loc,
+                                         target_hidden_is_projected=True)
+        for layer in [] if dspark else model.layers:  # as dflash_worker_v2._append_target_hidden_sequential
             attn = layer.self_attn
             k, v = attn.kv_proj_only(model.prepare_context_hidden_for_kv(layer, ctx))
             k = attn.apply_k_rope(ctx_pos, attn.apply_k_norm(k))
@@ -194,9 +205,20 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
             out[f"block.layer{i}"] = s
         h = res.hidden_states
         out["block.norm"] = h
-        logits = h[1:] @ head.T  # SGLang's DFlash scores the predicted slots with the target's LM head
+        rows = h if from_anchor else h[1:]
+        logits = rows @ head.T  # SGLang scores the predicted slots with the target's LM head
         out["block.logits"] = logits
-        out["block.tokens"] = logits.argmax(-1)
+        if dspark:
+            prev, state, steps, toks = block_ids[:1], model.markov_head.init_state(rows[None]), [], []
+            for i in range(rows.shape[0]):
+                bias, state = model.markov_head.step_bias(prev, hidden_states=rows[i : i + 1], state=state)
+                steps.append(logits[i] + bias[0])
+                prev = steps[-1].argmax(-1, keepdim=True)
+                toks.append(prev[0])
+            out["block.markov_logits"] = torch.stack(steps)
+            out["block.tokens"] = torch.stack(toks)
+        else:
+            out["block.tokens"] = logits.argmax(-1)
         for hk in hooks:
             hk.remove()
     return out
@@ -208,7 +230,7 @@ def run_job(path: str) -> None:
     try:
         inp = torch.load(job["inputs"], weights_only=True)
         arch = json.loads((export / "config.json").read_text())["architectures"][0]
-        fn = trace_dflash if arch == "DFlashDraftModel" else trace_eagle3
+        fn = trace_eagle3 if arch == "LlamaForCausalLMEagle3" else trace_dflash
         res = fn(export, inp)
     except Exception as e:  # noqa: BLE001 - the caller reports SGLang's failure as the divergence
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
