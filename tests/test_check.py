@@ -39,6 +39,15 @@ def _aux_plus_one(cfg):
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
 
 
+def _drop_fc_norm_weights(t):
+    for k in [k for k in t if k.startswith("fc_norm.")]:
+        t.pop(k)
+
+
+def _shift_d2t(t):
+    t["d2t"] = t["d2t"] + 1
+
+
 def _flip_norm_output(cfg):
     cfg["norm_output"] = not cfg["norm_output"]
 
@@ -64,11 +73,10 @@ def _wrong_mask(cfg):
 
 # broken case -> (good export it starts from, config edit, tensor edit, first mismatch, words the cause must contain)
 BROKEN = {
-    "fc_norm dropped": ("eagle31", _drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]],
-                        "step1.fc", "fc_norm"),
+    "fc_norm dropped": ("eagle31", _drop_fc_norm, _drop_fc_norm_weights, "step1.fc", "fc_norm"),
     "aux ids + 1": ("eagle31", _aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
     "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
-    "shifted d2t": ("eagle31", None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "step1.tokens", "d2t"),
+    "shifted d2t": ("eagle31", None, _shift_d2t, "step1.tokens", "d2t"),
     "wrong mask token": ("dflash", _wrong_mask, None, "block.input_ids", "mask_token_id"),
     "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
     # SGLang's attention semantics are exercised: its causal flag changes the block's attention

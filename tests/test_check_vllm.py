@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from random_drafts import edit_export, random_draft_checkpoint
-from test_check import _causal_block, _drop_fc_norm, _flip_norm_output, _rope_theta_x4, _wrong_mask  # as the SGLang check's
+from test_check import (  # the same edits as the SGLang check's
+    _causal_block, _drop_fc_norm, _drop_fc_norm_weights, _flip_norm_output, _rope_theta_x4, _shift_d2t, _wrong_mask)
 
 pytestmark = [pytest.mark.vllm]
 pytest.importorskip("vllm")
@@ -27,11 +28,10 @@ def _scale_hidden_norm(t):
 # case -> (good export it starts from, config edit, tensor edit, first divergent stage, words its likely cause must contain)
 BROKEN = {
     "aux ids + 1": ("eagle31", _aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
-    "fc_norm dropped": ("eagle31", _drop_fc_norm, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]],
-                        "step1.fc", "fc_norm"),
+    "fc_norm dropped": ("eagle31", _drop_fc_norm, _drop_fc_norm_weights, "step1.fc", "fc_norm"),
     "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
     # vLLM's own compute_logits indexes past the vocabulary with it (IndexError): caught as a failure to run, named d2t
-    "shifted d2t": ("eagle31", None, lambda t: t.__setitem__("d2t", t["d2t"] + 1), "loading or running the export", "d2t"),
+    "shifted d2t": ("eagle31", None, _shift_d2t, "loading or running the export", "d2t"),
     "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
     "DFlash target ids + 1": ("dflash", _dflash_ids_plus_one, None, "block.taps", "target_layer_ids"),
     "DFlash hidden_norm scaled": ("dflash", None, _scale_hidden_norm, "block.context", "hidden_norm"),
@@ -39,12 +39,12 @@ BROKEN = {
     # vLLM's CPU attention honours the causal flag the export states
     "DFlash causal block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
     "DFlash RoPE theta x4": ("dflash", _rope_theta_x4, None, "block.layer0", "rope_theta"),
-    # the window is honoured: twice as wide lets the block see context the draft was trained without
     # DSpark: the Markov head embedding the previous token one row off, and the anchor slot no longer predicting
     "DSpark markov_w1 off by one": ("dspark", None, lambda t: t.__setitem__("markov_head.markov_w1.weight", t["markov_head.markov_w1.weight"].roll(1, 0)),
                                     "block.markov_logits", "markov"),
     "DSpark sample_from_anchor flipped": ("dspark", lambda c: c.__setitem__("sample_from_anchor", False), None, "block.input_ids",
                                           "sample_from_anchor"),
+    # the window is honoured: twice as wide lets the block see context the draft was trained without
     "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
                          "block.layer0", "sliding_window"),
 }

@@ -119,15 +119,14 @@ def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
         draft_cfg = vc.speculative_config.draft_model_config
         cls, _ = ModelRegistry.resolve_model_cls(draft_cfg.architectures, draft_cfg)
         model = cls(vllm_config=vc).float().eval()
-        weights = load_file(str(export / "model.safetensors"))
-        model.load_weights(list(weights.items()))
+        model.load_weights(list(load_file(str(export / "model.safetensors")).items()))
         with torch.no_grad():  # as the proposer's load_model: shared unless the checkpoint brought its own
             if not getattr(model, "has_own_embed_tokens", False):
                 model.model.embed_tokens.weight.copy_(embed)
             if not getattr(model, "has_own_lm_head", False):
                 model.lm_head.weight.copy_(head)
         process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
-    return cfg, vc, model, weights
+    return cfg, vc, model
 
 
 class _Attention:
@@ -186,7 +185,7 @@ def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]
     from deepspec.export.check import engine_layer_streams, target_tables
 
     ids, states = inp["input_ids"], inp["states"]
-    cfg, vc, model, weights = _build(export, work, *target_tables(*inp["tables"].tolist()))
+    _, vc, model = _build(export, work, *target_tables(*inp["tables"].tolist()))
     m = ids.numel() - 1
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -233,7 +232,7 @@ def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
     from deepspec.export.check import engine_layer_streams, target_tables
 
     ids, states = inp["input_ids"], inp["states"]
-    cfg, vc, model, weights = _build(export, work, *target_tables(*inp["tables"].tolist()))
+    cfg, vc, model = _build(export, work, *target_tables(*inp["tables"].tolist()))
     dspark = _method(cfg) == "dspark"
     m = ids.numel() - 1
     hf = vc.speculative_config.draft_model_config.hf_config
