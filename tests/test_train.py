@@ -344,6 +344,37 @@ def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
     assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
 
 
+def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
+    """The reference read its cache inline (the default on a CPU, where a loader thread has nothing to overlap);
+    train.num_workers=2 reads two micro-batches ahead in the background thread: same batches, same losses, same
+    weights. With nothing set, the thread is used on a GPU and for a streamed spool only."""
+    from deepspec.train import train
+    from deepspec.train.batches import Prefetcher
+    from deepspec.train.loader import build_loader, resolve_depth
+
+    cfg = _cfg(recipe, "exp=thread", "train.num_workers=2")
+    built: list = []
+
+    def spy(*args, **kwargs):
+        built.append(build_loader(*args, **kwargs))
+        return built[-1]
+
+    with _on_cpu(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("deepspec.train.loop.build_loader", spy)
+        out = train(cfg)
+    assert isinstance(built[0], Prefetcher) and built[0].depth == 2  # a thread two micro-batches ahead
+    assert _losses(cfg.run_dir) == _losses(reference)
+    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
+
+    class Spool:
+        def follow(self, schedule):
+            return schedule
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert (resolve_depth(None, cpu, object()), resolve_depth(None, gpu, object()), resolve_depth(None, cpu, Spool())) == (0, 2, 2)
+    assert resolve_depth(3, cpu, object()) == 3 and resolve_depth(0, gpu, Spool()) == 0
+
+
 @pytest.mark.slow
 def test_sigkill_then_rerun_resumes_exactly(recipe, reference):
     """train.sh with 2 workers, rank 0 SIGKILLed after step 5 (last checkpoint: step 4); rerun the same command."""

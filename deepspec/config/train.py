@@ -52,8 +52,10 @@ class TrainConfig:
     # `auto`: bf16 autocast on GPU, fp32 on CPU. `bf16_if_native`: bf16 also on CPUs with AVX512-BF16 / AMX.
     precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
     compile: bool = False
-    # Micro-batches read + collated ahead while the current one trains (0 = inline, on CPU without processes).
-    num_workers: int = 2
+    # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
+    # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
+    # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).
+    num_workers: int | None = None
     # DataLoader worker processes per rank (deepspec/train/loader.py). null / 0: the background thread, which reads
     # the cache faster than processes do (benchmarks/bench_loader.py); > 0 for Python-bound datasets.
     loader_processes: int | None = None
@@ -89,8 +91,8 @@ class TrainConfig:
             raise ConfigError(f"train.loader_processes must be >= 0 or null (auto), got {self.loader_processes}.")
         if self.max_nonfinite_steps < 0:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
-        if self.num_workers < 0:
-            raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}.")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ConfigError(f"train.num_workers must be >= 0 or null (auto), got {self.num_workers}.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}.")
 

@@ -47,7 +47,7 @@ from deepspec.train.parallel import accumulating, full_trainable_state, release_
 from deepspec.train.guard import NonFiniteGuard
 from deepspec.train.preemption import PreemptionWatch
 from deepspec.train.precision import resolve_precision, setup_precision
-from deepspec.train.loader import build_loader, resolve_processes
+from deepspec.train.loader import build_loader, resolve_depth, resolve_processes
 from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
 from deepspec.train.weighting import micro_batch_weight
@@ -195,7 +195,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         (s, m, idx) for s in range(start_step, total_steps) for m, idx in enumerate(plan.micro_batches(s, info.rank, lengths))
     )
     processes = resolve_processes(tcfg.loader_processes, info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parts.train_data)
-    loader = build_loader(parts.train_data, collate, schedule, depth=tcfg.num_workers, processes=processes,
+    depth = resolve_depth(tcfg.num_workers, info.device, parts.train_data)
+    loader = build_loader(parts.train_data, collate, schedule, depth=depth, processes=processes,
                           pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0)
     staged = DeviceStager(loader, info.device, torch.float32)  # features cross in the cache dtype, widened there
     n_micro = plan.accum_steps
