@@ -3,6 +3,7 @@ with several workers, and the vLLM internals the capture connector relies on."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -228,3 +229,32 @@ def test_connector_instance_without_the_attributes_is_refused():
 
     with pytest.raises(EngineError, match=r"_lock_fds \(not set by its __init__\)"):
         check_connector_instance(object())
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_capture_engine_arguments_pick_vllms_async_connector_on_a_gpu_and_ours_on_cpu(tmp_path, cuda):
+    """vLLM resolves the capture's connector to its own asynchronous class on a GPU (pinned copies on a side stream,
+    a writer thread pool) and to our synchronous subclass on CPU builds; every key is one vLLM's engine accepts."""
+    pytest.importorskip("vllm")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as vllm_connector
+    from vllm.engine.arg_utils import EngineArgs
+
+    from deepspec.data.cache.vllm_capture import engine_kwargs
+
+    kwargs = engine_kwargs("/targets/t", [2, 15, 28, 30], tmp_path, cuda=cuda, dtype="bfloat16", max_model_len=4104,
+                           batch_tokens=65536)
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}, set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)}
+    transfer = KVTransferConfig(**kwargs["kv_transfer_config"])
+    cls = KVConnectorFactory.get_connector_class(transfer)
+    assert transfer.get_from_extra_config("shared_storage_path", None) == str(tmp_path)
+    assert kwargs["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 28, 30]
+    if cuda:
+        assert cls is vllm_connector.ExampleHiddenStatesConnector
+        assert kwargs["max_num_batched_tokens"] == 65536  # one engine step prefills a whole capture call
+    else:
+        from deepspec.data.cache.vllm_connector import SyncHiddenStatesConnector
+
+        assert cls is SyncHiddenStatesConnector and issubclass(cls, vllm_connector.ExampleHiddenStatesConnector)
+        assert "max_num_batched_tokens" not in kwargs and kwargs["kv_cache_memory_bytes"] == 1 << 30

@@ -107,3 +107,30 @@ def test_online_features_stay_on_the_target_device_in_its_dtype(fp32_cache, tiny
         assert torch.equal(batch.taps[b, :n].float(), want[:, :3]) and torch.equal(batch.final_hidden[b, :n].float(), want[:, 3])
     widened = batch.to(device, torch.float32)  # what the trainer does, on its device
     assert widened.taps.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the target's own stream and the stager's")
+def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on_cuda(fp32_cache, tiny_llama_dir):
+    """On a GPU the loader thread runs the target on its own stream while the default stream is busy, and the stager
+    widens the features on a third: every staged batch must equal the features computed with nothing in flight."""
+    from deepspec.data.cache.online import OnlineFeatures
+    from deepspec.train.batches import Prefetcher
+    from deepspec.train.staging import DeviceStager
+
+    cfg, ds = fp32_cache
+    device = torch.device("cuda")
+    model = _target(tiny_llama_dir, torch.bfloat16).to(device)
+    online = _online(cfg, tiny_llama_dir)
+    feats = OnlineFeatures(model, ds.taps)
+    plan = [(s, 0, [s % len(online), (s + 3) % len(online)]) for s in range(24)]
+    want = {}
+    for step, _, idx in plan:
+        b = feats([online[i] for i in idx]).to(device, torch.float32)
+        torch.cuda.synchronize()
+        want[step] = (b.taps.clone(), b.final_hidden.clone())
+    busy = torch.randn(4096, 4096, device=device)
+    staged = DeviceStager(Prefetcher(online, lambda items: feats(items, pin=True), iter(plan), depth=2), device, torch.float32)
+    for step, _, batch, _, _ in staged:
+        for _ in range(8):  # keep the default stream busy while the next batch is computed and widened
+            busy = (busy @ busy).tanh_()
+        assert torch.equal(batch.taps, want[step][0]) and torch.equal(batch.final_hidden, want[step][1]), step

