@@ -10,7 +10,8 @@ Conversations as in bench_cache.py (prompt texts as stand-in answers: speed depe
 builds its cache first (timed apart) and trains from it; the streamed run trains while one producer
 (`deepspec data stream`) captures the same samples into a spool capped at --spool-gb. A producer has a device of
 its own in a real deployment, so on a CPU machine the trainer runs on core 0 and the producer on core 1 (both runs
-train on core 0; the cache build runs on core 1, as the producer does). Needs >= 2 cores.
+train on core 0; the cache build runs on core 1, as the producer does). Both runs read through the loader thread, two
+micro-batches ahead (a streamed run's default; an offline run on a CPU reads inline unless told). Needs >= 2 cores.
 
   offline.tokens_per_s / stream.tokens_per_s   supervised + prompt tokens trained per second of training wall time
   stream.vs_offline                            their ratio (>= 0.8 is the target while producers keep up)
@@ -51,7 +52,7 @@ data: {{dir: {root / 'data'}}}
 target: {{dtype: float32}}
 cache: {{max_length: {args.max_length}, spool_gb: {args.spool_gb}, stream_ahead: 4, stream_producers: 0}}
 train: {{output_root: {root}/ckpt, precision: fp32, max_steps: {args.steps}, global_batch_size: 4, micro_batch_size: 1,
-        save_every: {args.steps}, val_every: 0, log_every: 1}}
+        save_every: {args.steps}, val_every: 0, log_every: 1, num_workers: 2}}
 logging: {{progress: false, wandb: false, tensorboard: false}}
 """)
     return path
