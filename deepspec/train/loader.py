@@ -24,6 +24,7 @@ from deepspec.train.batches import Prefetcher
 
 Schedule = Iterable[tuple[int, int, list[int]]]
 
+
 def resolve_depth(requested: int | None, device: torch.device, dataset: Any) -> int:
     """Micro-batches the background thread loads ahead: `requested` when set, else 2 where loading overlaps
     something — a GPU, which computes while the host reads and copies, or a streamed spool, whose records may still

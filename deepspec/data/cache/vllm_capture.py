@@ -1,8 +1,8 @@
 """vLLM capture backend: the target's hidden states from vLLM's `extract_hidden_states` method.
 
 vLLM runs each sample as a prompt with `max_tokens=1`; its speculative "draft" stores the hidden
-states entering the requested layers, and `SyncHiddenStatesConnector` writes them to a scratch
-folder. We ask for our taps (vLLM ids k+1, translated in deepspec.targets.taps) plus id
+states entering the requested layers, and a KV connector writes them to a scratch folder (vLLM's own
+asynchronous one on a GPU, our synchronous `SyncHiddenStatesConnector` on CPU builds: `engine_kwargs`). We ask for our taps (vLLM ids k+1, translated in deepspec.targets.taps) plus id
 `num_layers` — the last layer's output *before* the final norm — and apply the target's own
 final norm (its HF module, weights read from the checkpoint) to get the final normed state.
 The result feeds the same shard writer as the HF backend, so the cache format is identical.

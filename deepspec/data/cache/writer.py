@@ -566,7 +566,8 @@ def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSess
         def make():
             return VLLMFeaturizer(
                 resolve_target_path(cfg.target.name), taps, dtype=cfg.target.dtype, max_model_len=cfg.cache.max_length + 8,
-                batch_tokens=plan.signature["batch_tokens"], revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code, vllm_kwargs=cfg.cache.vllm_kwargs,
+                batch_tokens=plan.signature["batch_tokens"], revision=cfg.target.revision,
+                trust_remote_code=cfg.target.trust_remote_code, vllm_kwargs=cfg.cache.vllm_kwargs,
             )
 
         if session is not None:
