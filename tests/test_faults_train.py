@@ -205,6 +205,31 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(recipe):
     assert "SIGUSR1 received" in err and "Traceback" not in err, err[-3000:]
 
 
+def test_a_signal_that_lands_during_the_vote_is_kept_for_the_next_step(monkeypatch):
+    """Ranks vote on the flag with an all-reduce every step; Python runs a signal handler as that call returns, so a
+    signal landing during the vote is not in its result. It must count at the next step, not be overwritten with 0
+    (seen as a SIGUSR1 to one worker that training never acted on)."""
+    import torch.distributed as dist
+
+    from deepspec.train.preemption import PreemptionWatch
+
+    watch = PreemptionWatch(is_main=False)
+    try:
+        watch._multi = True  # as with several ranks; the vote is replaced below
+        arrivals = [signal.SIGUSR1, None]
+
+        def vote(flag, op=None, group=None):
+            sig = arrivals.pop(0)
+            if sig is not None:
+                watch._handle(sig, None)  # the handler runs while this rank's flag (0) is already on its way
+
+        monkeypatch.setattr(dist, "all_reduce", vote)
+        assert watch.requested() is False  # this step's vote had no signal in it ...
+        assert watch.requested() is True and watch.signum == signal.SIGUSR1  # ... the next one carries it
+    finally:
+        watch.close()
+
+
 @pytest.mark.parametrize(
     "codes, expected",
     [

@@ -84,8 +84,12 @@ class PreemptionWatch:
 
         flag = torch.tensor([self.signum], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.signum = int(flag.item())
-        return bool(self.signum)
+        agreed = int(flag.item())
+        # A signal whose handler ran during the all-reduce (Python runs it as the call returns) is not in `agreed`:
+        # keep it for the next step's vote rather than overwrite it with 0, and answer what every rank agreed on.
+        if agreed:
+            self.signum = agreed
+        return bool(agreed)
 
     def stop(self, step: int, save: Callable[[], object]) -> None:
         """Write the checkpoint of `step` (every rank; `save` is a no-op when it exists), log one line, raise Preempted."""
