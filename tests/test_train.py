@@ -322,13 +322,11 @@ def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
             assert (out / "optimizer.pt").is_file()
 
 
-def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
-    """train.loader_processes=2: DataLoader worker processes read the cache (zero-copy views, shared-memory
-    batches) in the plan's order, so losses and weights equal the single-thread reference exactly."""
+def _train_recording_the_loader(cfg):
+    """Train `cfg` in this process on the CPU; returns (final checkpoint dir, the loader the loop built)."""
     from deepspec.train import train
-    from deepspec.train.loader import ProcessLoader, build_loader
+    from deepspec.train.loader import build_loader
 
-    cfg = _cfg(recipe, "exp=procs", "train.loader_processes=2")
     built: list = []
 
     def spy(*args, **kwargs):
@@ -338,7 +336,17 @@ def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
     with _on_cpu(), pytest.MonkeyPatch.context() as mp:
         mp.setattr("deepspec.train.loop.build_loader", spy)
         out = train(cfg)
-    assert isinstance(built[0], ProcessLoader) and built[0].loader.num_workers == 2
+    return out, built[0]
+
+
+def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
+    """train.loader_processes=2: DataLoader worker processes read the cache (zero-copy views, shared-memory
+    batches) in the plan's order, so losses and weights equal the single-thread reference exactly."""
+    from deepspec.train.loader import ProcessLoader
+
+    cfg = _cfg(recipe, "exp=procs", "train.loader_processes=2")
+    out, loader = _train_recording_the_loader(cfg)
+    assert isinstance(loader, ProcessLoader) and loader.loader.num_workers == 2
     assert out.name == f"step_{STEPS}"
     assert _losses(cfg.run_dir) == _losses(reference)
     assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
@@ -348,21 +356,12 @@ def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
     """The reference read its cache inline (the default on a CPU, where a loader thread has nothing to overlap);
     train.num_workers=2 reads two micro-batches ahead in the background thread: same batches, same losses, same
     weights. With nothing set, the thread is used on a GPU and for a streamed spool only."""
-    from deepspec.train import train
     from deepspec.train.batches import Prefetcher
-    from deepspec.train.loader import build_loader, resolve_depth
+    from deepspec.train.loader import resolve_depth
 
     cfg = _cfg(recipe, "exp=thread", "train.num_workers=2")
-    built: list = []
-
-    def spy(*args, **kwargs):
-        built.append(build_loader(*args, **kwargs))
-        return built[-1]
-
-    with _on_cpu(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr("deepspec.train.loop.build_loader", spy)
-        out = train(cfg)
-    assert isinstance(built[0], Prefetcher) and built[0].depth == 2  # a thread two micro-batches ahead
+    out, loader = _train_recording_the_loader(cfg)
+    assert isinstance(loader, Prefetcher) and loader.depth == 2  # a thread two micro-batches ahead
     assert _losses(cfg.run_dir) == _losses(reference)
     assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
 
