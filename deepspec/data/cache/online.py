@@ -96,18 +96,17 @@ class OnlineFeatures:
     def _target_stream(self):
         """The target's own CUDA stream when it sits on one GPU: its forward for the next micro-batch, issued by the
         loader thread, then runs beside the draft's step on the default stream instead of queueing behind it.
-        None on CPU, and for a target spread over several devices (its layers follow each device's default stream)."""
+        None on CPU, and for a target spread over several devices (its layers follow each device's default stream).
+        Decided at the first batch, not per micro-batch."""
         import torch
 
-        if not torch.cuda.is_available():
-            return None
-        devices = {p.device for p in self.model.parameters()}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            return None
-        if getattr(self, "_stream", None) is None:
-            device = next(iter(devices))
-            self._stream = torch.cuda.Stream(device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))  # after the weights' loading
+        if not hasattr(self, "_stream"):
+            devices = {p.device for p in self.model.parameters()} if torch.cuda.is_available() else set()
+            device = next(iter(devices)) if len(devices) == 1 else None
+            self._stream = None
+            if device is not None and device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+                self._stream.wait_stream(torch.cuda.current_stream(device))  # after the weights' loading
         return self._stream
 
     def __call__(self, samples: Sequence[Sample], pin: bool = False):
