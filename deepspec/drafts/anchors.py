@@ -7,11 +7,13 @@ ones almost none.
 
 The draw is a keyed hash, not a fresh random tensor per row, so that a sample draws the *same* anchors wherever
 it sits: every position gets the score hash(key, fingerprint of its sample's tokens, position inside the sample),
-and each sample keeps its num_anchors best-scoring valid positions. `key` is one integer drawn from torch's
-generator per call (a fixed seed outside training), so draws are fresh every step, deterministic under
-torch.manual_seed, and identical for a packed batch and the padded batch it was packed from — which makes
-DraftBatch's "packed = padded" contract hold for the sampled anchors too. Everything stays on the device;
-a packed batch costs one host read (the widest row's anchor count), a padded batch none.
+and each sample keeps its num_anchors best-scoring valid positions. `key` is one integer per call: in training the
+micro-batch's own seed (its step and place in the global batch, given by the loader), else drawn from torch's
+generator (a fixed seed outside training), so draws are fresh every step, deterministic, the same on any worker
+count, and identical for a packed batch and the padded batch it was packed from — which makes DraftBatch's
+"packed = padded" contract hold for the sampled anchors too. A packed batch costs one host read (the widest row's
+anchor count), a padded batch none: the loader draws a training batch's anchors on the CPU before the step
+(deepspec/drafts/plan.py), so neither reads the device.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def sample_fingerprints(input_ids: torch.Tensor | None, seg: torch.Tensor, pos: 
     return _mix(sums.gather(0, slot.reshape(-1)).view(b, t) % _P)
 
 
-def anchor_key(device: torch.device, seed: int | None = None) -> torch.Tensor:
-    """[1] int64 in [0, P): this draw's key, from torch's generator (training) or from `seed` (validation)."""
+def anchor_key(device: torch.device, seed: int | None = None, key: int | None = None) -> torch.Tensor:
+    """[1] int64 in [0, P): this draw's key: `key` itself (reduced into the range), else from torch's generator
+    (training) or from `seed` (validation)."""
+    if key is not None:
+        return torch.full((1,), int(key) % _P, dtype=torch.long, device=device)
     gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     return torch.randint(0, _P, (1,), device=device, generator=gen)
 
@@ -65,12 +70,14 @@ def sample_anchors(
     segment_ids: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
     seed: int | None = None,
+    key: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to num_anchors anchors per sample among a with loss_mask[a] & loss_mask[a+1] (same sample).
 
     Returns (anchors [B, A] ascending per row, keep [B, A]); unused slots are dummies (position 0, keep False).
     A = min(num_anchors, T) for padded batches; for packed ones (segment_ids given) the largest per-row total.
-    seed: draw the key from this fixed seed (reproducible validation) instead of torch's generator."""
+    seed: draw the key from this fixed seed (reproducible validation) instead of torch's generator; key: use this
+    key (a training micro-batch's seed) instead of either."""
     b, t = loss_mask.shape
     dev = loss_mask.device
     lm, am = loss_mask.bool(), attention_mask.bool()
@@ -82,7 +89,7 @@ def sample_anchors(
     ar = torch.arange(t, device=dev).expand(b, t)
     pos = ar - _segment_starts(seg)  # position inside the sample
     fp = sample_fingerprints(input_ids, seg, pos, real)
-    score = _mix((fp + _mix(pos + 1) + anchor_key(dev, seed)) % _P)  # [B, T] in [0, P)
+    score = _mix((fp + _mix(pos + 1) + anchor_key(dev, seed, key)) % _P)  # [B, T] in [0, P)
     # rank each sample's valid positions by score (best first; equal scores: earlier position, as in any layout)
     big = torch.iinfo(torch.long).max
     order_key = torch.where(valid, seg.clamp(min=0) * 2**32 + (_P - 1 - score), torch.full_like(score, big))

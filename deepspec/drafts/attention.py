@@ -45,12 +45,14 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-# (row, start, end): one contiguous sample of a batch row; row None = every row (unpacked layout)
-Range = tuple[int | None, int, int]
+from deepspec.drafts.plan import Range, bucket, sample_ranges  # noqa: F401  (sample_ranges: re-exported for callers)
 
 # extra q/k/v channels of a sentinel call: a multiple of 8, so head dims stay eligible for the fused kernels
 _EXTRA = 8
@@ -58,25 +60,10 @@ _EXTRA = 8
 _SPAN = 256
 # mask elements of one chunk call ([B, group * queries, keys]): bounds a chunk's working memory (16 MiB in bf16)
 _CHUNK_ELEMENTS = 1 << 23
+# on CUDA block chunks may be 4x larger (64 MiB masks in bf16): fewer, bigger calls, where every call costs host time
+_CUDA_CHUNK_ELEMENTS = 1 << 25
 # query rows per chunk of a sliding-window pass
 _WINDOW_CHUNK = 512
-
-
-def sample_ranges(segment_ids: torch.Tensor | None, batch: int, length: int) -> list[Range]:
-    """Contiguous samples of each row from `segment_ids` [B, T] (-1 = padding, skipped); None = one per row.
-
-    One host read of the ids per loss call (not per layer or step): the causal SDPA needs the bounds."""
-    if segment_ids is None:
-        return [(None, 0, length)]
-    seg = segment_ids.detach().cpu()
-    out: list[Range] = []
-    for b in range(batch):
-        row = seg[b]
-        cuts = ((row[1:] != row[:-1]).nonzero().squeeze(1) + 1).tolist()
-        for s, e in zip([0] + cuts, cuts + [length]):
-            if int(row[s]) >= 0:
-                out.append((b, s, e))
-    return out
 
 
 # --- helpers --------------------------------------------------------------------------------------------------
@@ -93,8 +80,32 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# The SDPA kernels a CUDA training step may use, chosen here rather than by the dispatcher: flash for the unmasked
+# causal calls, memory-efficient for the masked ones, math only where neither takes the inputs (fp32 heads over 256
+# wide). Never cuDNN: it builds an execution plan for every new input shape (10-13 ms of host time a call on an H200
+# against 0.2-0.5 ms of GPU work), which left the GPU idle most of a block-draft step.
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _backends(x: torch.Tensor):
+    return sdpa_kernel(CUDA_BACKENDS) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _sdpa(q, k, v, scale, mask=None, is_causal=False):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    with _backends(q):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, buckets: bool) -> torch.Tensor:
+    """is_causal attention with queries and keys at the same rows; with `buckets` the rows are padded at the end to a
+    `bucket` length (a row never sees a later one, so the padding changes nothing before it) and cut off again."""
+    n = q.shape[2]
+    extra = bucket(n) - n if buckets else 0
+    if extra:
+        q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
+    out = _sdpa(q, k, v, scale, is_causal=True)
+    return out[:, :, :n] if extra else out
 
 
 def _lse_channels(lse: torch.Tensor, scale: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -177,28 +188,30 @@ def _additive(vis: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor
     return mask.view(bm, 1, group * lq, n8)[..., :n]
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor, scale: float) -> torch.Tensor:
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None, scale: float,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention of q [B, h, L, D] over k/v [B, hk, n, D] (vis [Bm, L, n], Bm in {1, B}) with the query heads of
-    each KV head folded into the query axis: [B, hk, group * L, D], one additive mask -> the memory-efficient kernel."""
+    each KV head folded into the query axis: [B, hk, group * L, D], one additive mask -> the memory-efficient kernel.
+    mask: that additive mask already made (`_additive(vis, group, dtype)`) instead of vis."""
     b, h, lq, dd = q.shape
     hk = k.shape[1]
     g = h // hk
     qf = q.reshape(b, hk, g * lq, dd)
-    out = _sdpa(qf, k, v, scale, mask=_additive(vis, g, _compute_dtype(q)))
+    out = _sdpa(qf, k, v, scale, mask=mask if mask is not None else _additive(vis, g, _compute_dtype(q)))
     return out.reshape(b, h, lq, v.shape[-1])
 
 
 # --- the TTT chain -------------------------------------------------------------------------------------------
-def _causal_range(q, k, v, scale, window, q_offset, sentinel):
+def _causal_range(q, k, v, scale, window, q_offset, sentinel, buckets=False):
     """Causal attention of q [B,h,L,D] over k/v [B,hk,L,d] (query row r at position r + q_offset, keys at their row
     index); with `sentinel` q carries _EXTRA lse channels (D = d + _EXTRA) and every row also sees the sentinel key.
-    Returns [B, h, L, D]."""
+    buckets: unwindowed calls padded to a `bucket` length. Returns [B, h, L, D]."""
     n = q.shape[2]
     if window is None or window >= n + q_offset:
         if not sentinel:
-            return _sdpa(q, k, v, scale, is_causal=True)
+            return _causal(q, k, v, scale, buckets)
         kx, vx = _extend(k, v, sentinel_first=True)
-        out = _sdpa(F.pad(q, (0, 0, 1, 0)), kx, vx, scale, is_causal=True)
+        out = _causal(F.pad(q, (0, 0, 1, 0)), kx, vx, scale, buckets)
         return out[:, :, 1:]
     keys = _Keys(k, v, sentinel)
     g = q.shape[1] // k.shape[1]
@@ -238,13 +251,28 @@ def _over_ranges(fn, ranges: list[Range], tensors: list[torch.Tensor], out_dim: 
     return torch.cat(rows, dim=0)
 
 
+@contextlib.contextmanager
+def _ieee_fp32(x: torch.Tensor):
+    """fp32 matrix products in fp32 on CUDA: training sets TF32 ('high') for the model's fp32 products, whose 10-bit
+    mantissa would put the diagonal's scores — and so the merge — off by ~|score| * 2^-11."""
+    if x.device.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def _diagonal(q: torch.Tensor, diag: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window: int | None):
     """Each row's attention over its own chain keys, in fp32 (bf16 inputs upcast exactly): (lse [B, h, T], out
     [B, h, T, d]). Scores rounded to bf16 would put the merge off by ~|score| * 2^-9 in log space."""
     step = len(diag)
     b_n, h, t, d = q.shape
     hk = diag[0][0].shape[1]
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False), _ieee_fp32(q):
         kd = _acc(torch.stack([x[0] for x in diag], dim=3))  # [B, hk, T, k, d]
         vd = _acc(torch.stack([x[1] for x in diag], dim=3))
         qg = _acc(q).reshape(b_n, hk, h // hk, t, d)
@@ -264,42 +292,56 @@ def chain_attention(
     diag: list[tuple[torch.Tensor, torch.Tensor]],
     ranges: list[Range],
     window: int | None = None,
+    buckets: bool = False,
 ) -> torch.Tensor:
     """TTT step k = len(diag) attention. q [B,h,T,d] (row r at position r+k); k0/v0 [B,hk,T,d] step-0 keys
     (row s at position s); diag: (k_j, v_j) [B,hk,T,d] of steps j = 1..k for each row itself (position r+j).
+    ranges: the batch's samples (deepspec.drafts.plan.sample_ranges); buckets: causal calls padded to bucket lengths.
     Returns [B, h, T, d]."""
     step = len(diag)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     if step == 0:
-        return _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, 0, False), ranges, [q, k0, v0], d)
+        return _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, 0, False, buckets), ranges, [q, k0, v0], d)
     lse_d, out_d = _diagonal(q, diag, scale, window)
     qx = _with_lse(q, lse_d, scale)
-    out = _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, step, True), ranges, [qx, k0, v0], d + _EXTRA)
+    out = _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, step, True, buckets), ranges, [qx, k0, v0], d + _EXTRA)
     return _merge(out, out_d, d)
 
 
 # --- block drafts ----------------------------------------------------------------------------------------------
 @dataclass
 class BlockBounds:
-    """Host copies of a step's anchors (one device read shared by every layer), and the chunk plans made from them."""
+    """Host copies of a batch's anchors and the chunk plans made from them (made once, by the loader on the CPU, and
+    shared by every layer: deepspec/drafts/plan.py). length: the batch's context rows; buckets: chunk shapes from a
+    short ladder (see `chunks`)."""
 
     anchors: list[list[int]]
     ctx_start: list[list[int]]
     keep: list[list[bool]]
+    length: int = 0
+    buckets: bool = False
     _plans: dict = field(default_factory=dict)
+    # additive chunk masks made by the first layer that needed them and read by the others (the same anchors and
+    # context rows in every layer): keyed by (window, first block, dtype, device)
+    masks: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, anchors: torch.Tensor, ctx_start: torch.Tensor, keep: torch.Tensor) -> BlockBounds:
-        return cls(anchors.tolist(), ctx_start.tolist(), keep.bool().tolist())
+    def of(cls, anchors: torch.Tensor, ctx_start: torch.Tensor, keep: torch.Tensor, length: int | None = None,
+           buckets: bool = False) -> BlockBounds:
+        """From [B, A] tensors (read on the host: made from the CPU batch by the loader). length: context rows (default:
+        one past the largest anchor, enough for an unbucketed plan)."""
+        a = anchors.tolist()
+        n = length if length is not None else 1 + max((max(r) for r in a if r), default=0)
+        return cls(a, ctx_start.tolist(), keep.bool().tolist(), n, buckets)
 
-    def chunks(self, window: int | None, block: int, rows: int, group: int) -> list[tuple[int, int, int, int]]:
-        """(a0, a1, lo, hi): blocks a0..a1-1 and the context keys [lo, hi) any of them sees (hi <= lo: none), grown
-        block by block while the chunk's mask (batch rows x folded query heads x its blocks' queries x (context keys +
-        their own keys)) stays within _CHUNK_ELEMENTS."""
-        key = (window, block, rows, group)
-        if key in self._plans:
-            return self._plans[key]
+    @property
+    def key_rows(self) -> int:
+        """Context rows the chunks index: the batch's, or with buckets its `bucket` length (context keys padded)."""
+        return bucket(self.length) if self.buckets else self.length
+
+    def _spans(self, window: int | None) -> list[tuple[int, int]]:
+        """(lo, hi) per anchor slot: the context keys [lo, hi) any row's block at that slot sees (hi <= lo: none)."""
         a_n = len(self.anchors[0]) if self.anchors else 0
         spans = []
         for a in range(a_n):
@@ -309,18 +351,48 @@ class BlockBounds:
                     s0 = self.ctx_start[r][a] if window is None else max(self.ctx_start[r][a], self.anchors[r][a] - window + 1)
                     lo, hi = min(lo, max(0, s0)), max(hi, self.anchors[r][a])
             spans.append((lo, hi))
-        plan, a0 = [], 0
-        while a0 < a_n:
-            lo, hi = spans[a0]
-            a1 = a0 + 1
-            while a1 < a_n:
-                nlo, nhi = min(lo, spans[a1][0]), max(hi, spans[a1][1])
-                q_rows = (a1 + 1 - a0) * block
-                if rows * group * q_rows * (max(0, nhi - nlo) + q_rows) > _CHUNK_ELEMENTS:
-                    break
-                lo, hi, a1 = nlo, nhi, a1 + 1
-            plan.append((a0, a1, lo, hi))
-            a0 = a1
+        return spans
+
+    def chunks(self, window: int | None, block: int, rows: int, group: int, elements: int = _CHUNK_ELEMENTS) -> list[tuple[int, int, int, int]]:
+        """(a0, a1, lo, hi): blocks a0..a1-1 and the context keys [lo, hi) the call reads (hi <= lo: none).
+
+        Exact (no buckets): grown block by block while the chunk's mask (batch rows x folded query heads x its blocks'
+        queries x (context keys + their own keys)) stays within `elements`, each over exactly the keys its blocks
+        see. Bucketed: every chunk holds the same number of blocks (the largest divisor of the anchor count whose mask
+        fits over all key rows), and reads a `bucket`-long key range that covers its blocks' keys (the mask hides the
+        rest): two or three shapes per length bucket instead of one per chunk."""
+        key = (window, block, rows, group, elements)
+        if key in self._plans:
+            return self._plans[key]
+        spans = self._spans(window)
+        a_n = len(spans)
+        plan = []
+        if self.buckets:
+            t_pad = self.key_rows
+            fits = [c for c in range(1, a_n + 1) if a_n % c == 0 and rows * group * c * block * (t_pad + c * block) <= elements]
+            c = max(fits, default=1)
+            for a0 in range(0, a_n, c):
+                lo = min(sp[0] for sp in spans[a0 : a0 + c])
+                hi = max(sp[1] for sp in spans[a0 : a0 + c])
+                if hi <= lo:
+                    plan.append((a0, a0 + c, 0, 0))
+                    continue
+                n = min(bucket(hi - lo), t_pad)
+                lo = min(lo, t_pad - n)
+                plan.append((a0, a0 + c, lo, lo + n))
+        else:
+            a0 = 0
+            while a0 < a_n:
+                lo, hi = spans[a0]
+                a1 = a0 + 1
+                while a1 < a_n:
+                    nlo, nhi = min(lo, spans[a1][0]), max(hi, spans[a1][1])
+                    q_rows = (a1 + 1 - a0) * block
+                    if rows * group * q_rows * (max(0, nhi - nlo) + q_rows) > elements:
+                        break
+                    lo, hi, a1 = nlo, nhi, a1 + 1
+                plan.append((a0, a1, lo, hi))
+                a0 = a1
         self._plans[key] = plan
         return plan
 
@@ -342,8 +414,8 @@ def block_attention(
     """Block-draft attention. q [B,h,A*K,d]; kb/vb [B,hk,A*K,d] the blocks' own keys (block a, slot i at
     position anchor + i); kc/vc [B,hk,S,d] context keys (row s); anchors / ctx_start / keep [B, A]: block a
     sees context rows in [ctx_start, anchor) when keep (its sample's first row, so packed samples never mix);
-    key_valid [B, S] real context rows; bounds: `BlockBounds.of(anchors, ctx_start, keep)` when the caller shares one
-    host read among layers. Returns [B, h, A*K, d], a transposed view of a [B, A*K, h, d] tensor (the layout the output
+    key_valid [B, S] real context rows; bounds: `BlockBounds.of(anchors, ctx_start, keep, S)` made by the caller from
+    host copies (the loader's plan) and shared by every layer; without it the anchors are read here. Returns [B, h, A*K, d], a transposed view of a [B, A*K, h, d] tensor (the layout the output
     projection reads without a copy).
 
     Each chunk of blocks is one kernel call over its context key range with the chunk's own block keys appended: the
@@ -357,38 +429,56 @@ def block_attention(
     k_n = q_n // a_n
     g = h // hk
     scale = 1.0 / math.sqrt(d)
-    bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep)
+    bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep, kc.shape[2])
     slot = torch.arange(k_n, device=q.device)
     own_vis = slot[:, None] - slot[None, :] < (window if window is not None else k_n)  # [K, K]: key slot j for query slot i
     valid = key_valid.bool()
+    pad = bounds.key_rows - kc.shape[2]
+    if pad > 0:  # bucketed key ranges may reach past the batch's rows: padding keys, hidden by `valid`
+        kc, vc, valid = F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad)), F.pad(valid, (0, pad))
 
-    def chunk(a0: int, a1: int, lo: int, hi: int, qc, kbc, vbc, kc, vc) -> torch.Tensor:
-        # reads no large tensor of the enclosing scope: a recomputed chunk keeps this closure until backward, and a
-        # captured q would keep the layer's queries alive through its checkpoint
+    def chunk_mask(a0: int, a1: int, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask [B, 1, group * rows, n_ctx + rows] of blocks a0..a1-1: context keys [lo, hi) as the anchors
+        allow, then the chunk's own blocks (each block sees itself)."""
         nb, n_ctx = a1 - a0, max(0, hi - lo)
-        # visibility [B, nb, K, n_ctx + nb*K]: context keys as the anchors allow, then the chunk's own blocks
-        pc = torch.arange(lo, lo + n_ctx, device=qc.device)
+        pc = torch.arange(lo, lo + n_ctx, device=q.device)
         anc, start = anchors[:, a0:a1, None], ctx_start[:, a0:a1, None]
         ctx = (pc < anc) & (pc >= start) & keep[:, a0:a1, None].bool() & valid[:, None, lo : lo + n_ctx]  # [B, nb, n]
         ctx = ctx[:, :, None, :].expand(-1, -1, k_n, -1)
         if window is not None:
             ctx = ctx & ((anc + slot)[..., None] - pc < window)
-        own = torch.eye(nb, dtype=torch.bool, device=qc.device)[:, None, :, None] & own_vis[None, :, None, :]  # [nb, K, nb, K]
+        own = torch.eye(nb, dtype=torch.bool, device=q.device)[:, None, :, None] & own_vis[None, :, None, :]  # [nb, K, nb, K]
         vis = torch.cat([ctx, own.reshape(1, nb, k_n, nb * k_n).expand(b_n, -1, -1, -1)], dim=-1)
+        return _additive(vis.reshape(b_n, nb * k_n, -1), g, dtype)
+
+    def chunk(a0: int, a1: int, lo: int, hi: int, mask: torch.Tensor | None, qc, kbc, vbc, kc, vc) -> torch.Tensor:
+        # reads no large tensor of the enclosing scope: a recomputed chunk keeps this closure until backward, and a
+        # captured q would keep the layer's queries alive through its checkpoint (its mask, None, is rebuilt too)
+        n_ctx = max(0, hi - lo)
+        if mask is None:
+            mask = chunk_mask(a0, a1, lo, hi, _compute_dtype(qc))
         k_all = torch.cat([kc[:, :, lo : lo + n_ctx], kbc], dim=2)
         v_all = torch.cat([vc[:, :, lo : lo + n_ctx], vbc], dim=2)
-        out = _grouped(qc, k_all, v_all, vis.reshape(b_n, nb * k_n, -1), scale)  # [B, h, rows, d]
+        out = _grouped(qc, k_all, v_all, None, scale, mask=mask)  # [B, h, rows, d]
         return out.transpose(1, 2)  # [B, rows, h, d]
 
-    plan = bounds.chunks(window, k_n, b_n, g)
+    plan = bounds.chunks(window, k_n, b_n, g, _CUDA_CHUNK_ELEMENTS if q.device.type == "cuda" else _CHUNK_ELEMENTS)
     # the chunks' rows as one split (its backward concatenates their gradients once; slicing per chunk would make a
     # zero-filled full-size gradient per chunk and add them up)
     sizes = [(a1 - a0) * k_n for a0, a1, _, _ in plan]
     parts = zip(q.split(sizes, dim=2), kb.split(sizes, dim=2), vb.split(sizes, dim=2))
+    rebuild = recompute and torch.is_grad_enabled()
+    dtype = _compute_dtype(q)
     pieces = []
     for (a0, a1, lo, hi), (qc, kbc, vbc) in zip(plan, parts):
-        fn = partial(chunk, a0, a1, lo, hi)
-        if recompute and torch.is_grad_enabled():
+        mask = None
+        if not rebuild:  # one mask per chunk for every layer of the step (it holds no gradient)
+            mkey = (window, a0, dtype, q.device)
+            if mkey not in bounds.masks:
+                bounds.masks[mkey] = chunk_mask(a0, a1, lo, hi, dtype)
+            mask = bounds.masks[mkey]
+        fn = partial(chunk, a0, a1, lo, hi, mask)
+        if rebuild:
             pieces.append(checkpoint(fn, qc, kbc, vbc, kc, vc, use_reentrant=False))
         else:
             pieces.append(fn(qc, kbc, vbc, kc, vc))

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from deepspec.drafts.plan import StepPlan, sample_ranges, use_buckets
+
 if TYPE_CHECKING:
     from deepspec.config.model import ModelConfig
 
@@ -48,6 +50,9 @@ class DraftBatch:
     # `to(device, dtype)` on the device (bytes cross the bus in the cache's dtype); None otherwise.
     taps_scale: torch.Tensor | None = None  # [B, T, n_taps, rows] float32
     final_scale: torch.Tensor | None = None  # [B, T] float32
+    # host facts the step needs (sample ranges, anchors and their chunk plans), made by the loader on the CPU so that
+    # the step never reads a device value back (deepspec/drafts/plan.py); None = the draft makes it itself
+    plan: Any = None
 
     def positions(self) -> torch.Tensor:
         """RoPE positions [B, T]: the packed ones, else 0..T-1 per row."""
@@ -76,8 +81,15 @@ class DraftBatch:
     def pin_memory(self) -> "DraftBatch":
         """Page-locked copy of the host tensors (DataLoader's pin thread calls this); tensors already on an accelerator
         (online features computed there) stay where they are."""
-        return DraftBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() if v.device.type == "cpu" else v
+        return DraftBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() if f.name == "plan" or v.device.type == "cpu" else v
                              for f in fields(self)})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the batch holds, its plan's included (the stager marks them used on its stream)."""
+        out = [v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)]
+        if self.plan is not None:
+            out += [v for v in self.plan.tensors() if v is not None]
+        return out
 
     @property
     def num_loss_tokens(self) -> int:
@@ -156,7 +168,16 @@ class DraftModel(nn.Module, ABC):
 
     @abstractmethod
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, Metrics]:
-        """Training loss (scalar, mean over this rank's supervised tokens) and metrics."""
+        """Training loss (scalar, mean over this rank's supervised tokens) and metrics. Reads `batch.plan` when the
+        loader made one (the step then reads no device value back), else makes it with `plan_batch`."""
+
+    def plan_batch(self, batch: DraftBatch, key: int | None = None, buckets: bool | None = None) -> StepPlan:
+        """The host facts `loss` needs about `batch` (deepspec/drafts/plan.py): the loader calls this on the CPU batch
+        with the micro-batch's seed as `key` (random choices inside the loss, e.g. anchors, come from it); buckets:
+        bucketed attention shapes (default: on CUDA). Reads only the batch and the draft's settings, never its
+        weights, so the loader thread may call it while the step runs. This default: the samples of each row."""
+        ids = batch.input_ids
+        return StepPlan(sample_ranges(batch.segment_ids, *ids.shape), use_buckets(ids.device) if buckets is None else buckets)
 
     @abstractmethod
     def proposer(self) -> Proposer:

@@ -38,6 +38,7 @@ from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
 from deepspec.drafts.losses import gemm_dtype
+from deepspec.drafts.plan import StepPlan, bucket, use_buckets
 from deepspec.drafts.vocab import sample_token
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -219,22 +220,44 @@ class BlockDraft(TargetBackedDraft):
         ok = ok & keep.unsqueeze(-1)
         return labels, ok.long().cumprod(dim=-1).bool(), lp
 
-    def block_hidden(self, batch: DraftBatch, anchors: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def plan_batch(self, batch: DraftBatch, key: int | None = None, buckets: bool | None = None) -> StepPlan:
+        """The anchors of `batch` and their chunk plans (deepspec/drafts/plan.py). The loader calls this on the CPU
+        batch with the micro-batch's seed as `key`; without a key the draw is a training one from torch's generator, or
+        the fixed validation draw when the draft is in eval mode."""
+        seed = None if key is not None or self.training else self.VALIDATION_ANCHOR_SEED
+        anchors, keep = draw_anchors(batch.loss_mask, batch.attention_mask, self.model_cfg.num_anchors, batch.segment_ids,
+                                     batch.input_ids, seed, key)
+        return self.plan_anchors(batch, anchors, keep, use_buckets(anchors.device) if buckets is None else buckets)
+
+    def plan_anchors(self, batch: DraftBatch, anchors: torch.Tensor, keep: torch.Tensor, buckets: bool = False) -> StepPlan:
+        """The plan for given anchors [B, A] / keep [B, A] (reads them on the host). With buckets a data-dependent anchor
+        count (packed rows) is padded with dummy anchors to a `bucket` count, so chunk shapes come from the ladder."""
+        a_n = anchors.shape[1]
+        if buckets and a_n != self.model_cfg.num_anchors and bucket(a_n) > a_n:
+            extra = bucket(a_n) - a_n
+            anchors, keep = F.pad(anchors, (0, extra)), F.pad(keep, (0, extra))
+        # a packed sample starts where its positions restart: anchor row - anchor position
+        ctx_start = torch.zeros_like(anchors) if batch.position_ids is None else anchors - batch.position_ids.gather(1, anchors)
+        bounds = BlockBounds.of(anchors, ctx_start, keep, batch.input_ids.shape[1], buckets)
+        return StepPlan([], buckets, anchors, keep, ctx_start, bounds)
+
+    def block_hidden(self, batch: DraftBatch, plan: StepPlan | torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of every block slot: [B, A, K, H]. Blocks see context rows of their own sample
-        before the anchor (block_attention: no dense mask)."""
+        before the anchor (block_attention: no dense mask; key ranges from the plan's host copies). plan: a StepPlan,
+        or anchors [B, A] (with keep [B, A], default all) to plan here."""
+        if isinstance(plan, torch.Tensor):
+            plan = self.plan_anchors(batch, plan, torch.ones_like(plan, dtype=torch.bool) if keep is None else keep)
         b, t = batch.input_ids.shape
+        anchors, keep, ctx_start = plan.anchors, plan.keep, plan.ctx_start
         positions = batch.positions()
         ids, pos = self._block_ids_pos(batch.input_ids, anchors, positions)
-        # a packed sample starts where its positions restart: anchor row - anchor position
-        ctx_start = torch.zeros_like(anchors) if batch.position_ids is None else anchors - positions.gather(1, anchors)
         ctx = self.context(batch.taps)
         x = self.embed(ids).to(ctx.dtype)
         am = batch.attention_mask.bool()
-        bounds = BlockBounds.of(anchors, ctx_start, keep)  # one host read of the anchors for every layer's key ranges
         recompute = bool(self.model_cfg.activation_checkpointing)  # trading compute for memory: the chunks' masks too
 
         def attn(i, q, kb, vb, kc, vc):
-            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), bounds, recompute)
+            return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), plan.bounds, recompute)
 
         h = self.backbone(x, pos, self.context_kv(ctx, positions), None, attn=attn)
         return h.view(b, anchors.shape[1], self.block_size, -1)
@@ -251,12 +274,13 @@ class BlockDraft(TargetBackedDraft):
         ids, lm, am = batch.input_ids, batch.loss_mask.bool(), batch.attention_mask.bool()
         b, t = ids.shape
         dev = ids.device
-        if anchors is None:
-            anchors, keep = self.sample_anchors(lm, am, batch.segment_ids, ids)
-        elif keep is None:
-            keep = torch.ones_like(anchors, dtype=torch.bool)
+        if anchors is not None:  # given anchors (tests, benchmarks): planned here
+            plan = self.plan_anchors(batch, anchors, torch.ones_like(anchors, dtype=torch.bool) if keep is None else keep)
+        else:  # the loader's plan, else drawn and planned here (one host read)
+            plan = batch.plan if batch.plan is not None and batch.plan.anchors is not None else self.plan_batch(batch)
+        anchors, keep = plan.anchors, plan.keep
         na, p_n = anchors.shape[1], self.num_predictions
-        h = self.block_hidden(batch, anchors, keep)[:, :, self.first_slot :]  # [B, A, P, H]
+        h = self.block_hidden(batch, plan)[:, :, self.first_slot :]  # [B, A, P, H]
         p_idx = torch.arange(p_n, device=dev)
         labels, eval_mask, lp = self.block_labels(ids, lm, am, anchors, keep, batch.segment_ids)
         prev = ids.gather(1, (lp - 1).view(b, -1)).view(b, na, p_n)  # token a+p, the one before each label

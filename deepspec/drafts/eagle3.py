@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.drafts.attention import chain_attention, sample_ranges
+from deepspec.drafts.plan import StepPlan
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
@@ -247,6 +248,7 @@ class Eagle3Draft(TargetBackedDraft):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         heads: bool = True,
+        plan: StepPlan | None = None,
     ):
         """Yield (k, logits [B, T, Dv]) for TTT steps k = 0..ttt_length-1 (rows >= T-1-k are padding);
         with_normed: (k, logits, final normed state [B, T, H]); heads=False: logits None (the loss applies
@@ -260,7 +262,9 @@ class Eagle3Draft(TargetBackedDraft):
         dev = input_ids.device
         hidden = self.combine_taps(taps.to(self.fc.weight.dtype))
         pos = position_ids if position_ids is not None else torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
-        ranges = sample_ranges(segment_ids, b, t)
+        # the samples' bounds: the loader's plan (no host read in the step), else read from segment_ids here
+        ranges = plan.ranges if plan is not None else sample_ranges(segment_ids, b, t)
+        buckets = plan is not None and plan.buckets
         n_layers = 1 + len(self.layers)
         step0: list[KV] = []
         diags: list[list[KV]] = [[] for _ in range(n_layers)]
@@ -281,8 +285,8 @@ class Eagle3Draft(TargetBackedDraft):
             def attn(i, q, kk, vv, k=k, s0=list(step0), dg=[list(x) for x in diags]):
                 w = self.arch.window(i)
                 if k == 0:
-                    return chain_attention(q, kk, vv, [], ranges, w)
-                return chain_attention(q, s0[i][0], s0[i][1], dg[i] + [(kk, vv)], ranges, w)
+                    return chain_attention(q, kk, vv, [], ranges, w, buckets)
+                return chain_attention(q, s0[i][0], s0[i][1], dg[i] + [(kk, vv)], ranges, w, buckets)
 
             logits, hidden, kv, normed = self._step(emb, hidden, pos + k, None, None, attn=attn, head=heads)
             if k == 0:
@@ -324,7 +328,8 @@ class Eagle3Draft(TargetBackedDraft):
         metrics: Metrics = {}
         hidden_w = cfg.hidden_loss_weight
         weight0 = torch.zeros((), device=dev)
-        gen = self.ttt_steps(ids, batch.taps, with_normed=True, position_ids=batch.position_ids, segment_ids=batch.segment_ids, heads=False)
+        gen = self.ttt_steps(ids, batch.taps, with_normed=True, position_ids=batch.position_ids, segment_ids=batch.segment_ids, heads=False,
+                             plan=batch.plan)
         item = next(gen, None)
         while item is not None:
             k, _, normed = item

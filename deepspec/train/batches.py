@@ -89,35 +89,38 @@ class Prefetcher:
 
     `schedule` yields (step, micro index, sample indices) in training order; at most `depth`
     batches are loaded ahead, so memory stays bounded. depth 0 = load synchronously. One thread
-    only: dataset readers (mmap LRU, online target) need not be thread-safe.
+    only: dataset readers (mmap LRU, online target) need not be thread-safe. `plan(batch, step, m)`,
+    when given, adds the step's host facts to each collated batch in the same thread (deepspec/drafts/plan.py).
     """
 
-    def __init__(self, dataset: Any, collate, schedule, depth: int):
+    def __init__(self, dataset: Any, collate, schedule, depth: int, plan=None):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        self.dataset, self.collate, self.schedule = dataset, collate, iter(schedule)
+        self.dataset, self.collate, self.schedule, self.plan = dataset, collate, iter(schedule), plan
         self.depth = depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepspec-data") if depth else None
         self.queue: deque = deque()
 
-    def _load(self, indices: list[int]) -> DraftBatch:
-        return self.collate([self.dataset[i] for i in indices])
+    def _load(self, item: tuple[int, int, list[int]]) -> DraftBatch:
+        step, m, indices = item
+        batch = self.collate([self.dataset[i] for i in indices])
+        return batch if self.plan is None else self.plan(batch, step, m)
 
     def _fill(self) -> None:
         while self.pool is not None and len(self.queue) < self.depth:
             item = next(self.schedule, None)
             if item is None:
                 return
-            self.queue.append((item, self.pool.submit(self._load, item[2])))
+            self.queue.append((item, self.pool.submit(self._load, item)))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[int, int, DraftBatch]:
         if self.pool is None:
-            step, m, indices = next(self.schedule)
-            return step, m, self._load(indices)
+            item = next(self.schedule)
+            return item[0], item[1], self._load(item)
         self._fill()
         if not self.queue:
             raise StopIteration

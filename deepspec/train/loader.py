@@ -23,6 +23,8 @@ from deepspec.drafts.base import DraftBatch
 from deepspec.train.batches import Prefetcher
 
 Schedule = Iterable[tuple[int, int, list[int]]]
+# (batch, step, micro index) -> the batch with its step plan (deepspec/drafts/plan.py)
+Planner = Callable[[DraftBatch, int, int], DraftBatch]
 
 
 def resolve_depth(requested: int | None, device: torch.device, dataset: Any) -> int:
@@ -71,9 +73,10 @@ class ProcessLoader:
     """Iterates (step, micro index, batch) from `processes` DataLoader workers, `depth` batches in flight."""
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], DraftBatch], schedule: Schedule, *,
-                 processes: int, depth: int, pin: bool):
+                 processes: int, depth: int, pin: bool, plan: Planner | None = None):
         from torch.utils.data import DataLoader
 
+        self.plan, self.pin = plan, pin
         self.sampler = _PlanSampler(schedule)
         self.loader = DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=processes, pin_memory=pin,
@@ -87,6 +90,10 @@ class ProcessLoader:
     def __next__(self) -> tuple[int, int, DraftBatch]:
         batch = next(self._it)
         step, m = self.sampler.labels.popleft()
+        if self.plan is not None:  # made here, in the trainer process: the workers do not hold the draft
+            batch = self.plan(batch, step, m)
+            if self.pin and batch.plan is not None:
+                batch.plan = batch.plan.pin_memory()
         return step, m, batch
 
     def close(self) -> None:
@@ -97,18 +104,46 @@ class ProcessLoader:
 
 
 def build_loader(dataset: Any, collate: Callable[..., DraftBatch], schedule: Schedule, *, depth: int,
-                 processes: int, pin: bool, packed: bool = False) -> Prefetcher | ProcessLoader:
+                 processes: int, pin: bool, packed: bool = False, plan: Planner | None = None) -> Prefetcher | ProcessLoader:
     """The loader for one rank. `collate(items, pin=...)` builds a batch; with `pin` (a CUDA device) it is
     page-locked once — by the collate itself in a thread, by DataLoader's pin thread after worker processes.
-    A dataset that needs to know what is read when (the spool of a streamed run) sees the schedule first."""
+    A dataset that needs to know what is read when (the spool of a streamed run) sees the schedule first.
+    `plan(batch, step, m)` adds each batch's step plan on the host, ahead of the step (deepspec/drafts/plan.py)."""
     follow = getattr(dataset, "follow", None)
     if follow is not None:
         schedule = follow(schedule)
     if processes > 0:
-        return ProcessLoader(dataset, collate, schedule, processes=processes, depth=depth, pin=pin)
+        return ProcessLoader(dataset, collate, schedule, processes=processes, depth=depth, pin=pin, plan=plan)
     if pin:
         collate = _pinned(collate, packed)
-    return Prefetcher(dataset, collate, schedule, depth)
+        if plan is not None:
+            plan = _pinned_plan(plan)
+    return Prefetcher(dataset, collate, schedule, depth, plan)
+
+
+def step_planner(model: Any, seed_of: Callable[[int, int], int], buckets: bool) -> Planner | None:
+    """The loader's planner for `model` (None when the draft makes no plans): each micro-batch gets its step plan from
+    the CPU batch, keyed by `seed_of(step, m)` — the micro-batch's seed, so its random choices (anchors) are the same on
+    any worker count and after a resume, and never touch torch's generator from the loader thread."""
+    make = getattr(model, "plan_batch", None)
+    if make is None:
+        return None
+
+    def plan(batch: DraftBatch, step: int, m: int) -> DraftBatch:
+        batch.plan = make(batch, key=seed_of(step, m), buckets=buckets)
+        return batch
+
+    return plan
+
+
+def _pinned_plan(plan: Planner) -> Planner:
+    def wrapped(batch: DraftBatch, step: int, m: int) -> DraftBatch:
+        batch = plan(batch, step, m)
+        if batch.plan is not None:
+            batch.plan = batch.plan.pin_memory()
+        return batch
+
+    return wrapped
 
 
 def _pinned(collate: Callable[..., DraftBatch], packed: bool) -> Callable[[list[Any]], DraftBatch]:

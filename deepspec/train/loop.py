@@ -47,7 +47,8 @@ from deepspec.train.parallel import accumulating, full_trainable_state, release_
 from deepspec.train.guard import NonFiniteGuard
 from deepspec.train.preemption import PreemptionWatch
 from deepspec.train.precision import resolve_precision, setup_precision
-from deepspec.train.loader import build_loader, resolve_depth, resolve_processes
+from deepspec.drafts.plan import use_buckets
+from deepspec.train.loader import build_loader, resolve_depth, resolve_processes, step_planner
 from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
 from deepspec.train.weighting import micro_batch_weight
@@ -196,8 +197,10 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     )
     processes = resolve_processes(tcfg.loader_processes, info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parts.train_data)
     depth = resolve_depth(tcfg.num_workers, info.device, parts.train_data)
+    # each batch's host facts (samples, anchors, chunk plans) made by the loader: the step reads nothing back
+    planner = step_planner(model, lambda s, m: _step_seed(tcfg.seed, s, m * info.world + info.rank), use_buckets(info.device))
     loader = build_loader(parts.train_data, collate, schedule, depth=depth, processes=processes,
-                          pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0)
+                          pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0, plan=planner)
     staged = DeviceStager(loader, info.device, torch.float32)  # features cross in the cache dtype, widened there
     n_micro = plan.accum_steps
     trainable = [p for p in wrapped.parameters() if p.requires_grad]

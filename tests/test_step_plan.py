@@ -1,0 +1,237 @@
+"""The step plan (deepspec/drafts/plan.py): a training step reads no device value back when the loader planned its
+batch, bucketed attention shapes are few and give the exact results, and the loader's plan is the draft's own."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from deepspec.config.model import ModelConfig
+from deepspec.drafts import DraftBatch, get_algorithm
+from deepspec.drafts import attention
+from deepspec.drafts.attention import BlockBounds, block_attention, chain_attention, dense_block_reference, dense_chain_reference
+from deepspec.drafts.checkpoint import target_weights
+from deepspec.drafts.plan import bucket, sample_ranges
+from deepspec.targets import capture, tiny_target
+from deepspec.train.batches import pack_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+ALGORITHMS = ["eagle3", "dflash", "dspark"]
+
+
+def _draft(algorithm: str, window: int | None = None, num_anchors: int = 4):
+    torch.manual_seed(0)
+    model, _ = tiny_target("qwen3")
+    types = None if window is None else ["sliding_attention", "full_attention"]
+    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], num_draft_layers=2, ttt_length=3, block_size=4,
+                      num_anchors=num_anchors, markov_rank=8, layer_types=types, sliding_window=window)
+    draft = get_algorithm(algorithm).from_target_config(model.config, cfg)
+    draft.load_target_weights(*target_weights(model))
+    if algorithm == "eagle3":
+        draft.set_token_frequencies(torch.arange(320).float())
+    draft.train()
+    return model, draft
+
+
+def _batch(model, draft, lengths: list[int], seed: int = 1) -> DraftBatch:
+    """A right-padded batch of samples of `lengths` (answers = their second half)."""
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.randint(0, 250, (len(lengths), t), generator=g)
+    am = torch.zeros(len(lengths), t, dtype=torch.bool)
+    lm = torch.zeros_like(am)
+    for r, n in enumerate(lengths):
+        am[r, :n] = True
+        lm[r, n // 2 : n] = True
+    taps, final = capture(model, ids, draft.taps)
+    return DraftBatch(ids, lm, am, taps, final)
+
+
+@contextlib.contextmanager
+def _meta_autocast(monkeypatch):
+    """The meta device has no autocast state; answer 'off' for it (nothing else changes)."""
+    enabled, autocast = torch.is_autocast_enabled, torch.autocast
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and str(a[0]) == "meta" else enabled(*a))
+    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k: contextlib.nullcontext() if device_type == "meta" else autocast(device_type, *a, **k))
+    yield
+
+
+def _on_meta(draft, batch):
+    """Loss + backward with the draft and the batch on the meta device, where reading any value raises."""
+    d = copy.deepcopy(draft).to("meta")
+    loss, metrics = d.loss(batch.to("meta"))
+    loss.backward()
+    return loss, metrics
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "windowed"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_step_reads_no_device_value_when_the_loader_planned_it(algorithm, layout, monkeypatch):
+    """Forward + backward on the meta device: a `.tolist()`, `.item()` or `int(t)` anywhere in the step raises there.
+    With the loader's plan nothing does; without one, the block drafts (anchors) and packed EAGLE-3 (sample bounds)
+    must read the batch — which shows the probe catches a read."""
+    model, draft = _draft(algorithm, window=5 if layout == "windowed" else None)
+    batch = _batch(model, draft, [14, 9, 11])
+    if layout == "packed":
+        batch = pack_batch(batch, 24)
+        assert batch.segment_ids is not None and batch.input_ids.shape[0] < 3
+    with _meta_autocast(monkeypatch):
+        for buckets in (False, True):
+            batch.plan = draft.plan_batch(batch, key=7, buckets=buckets)  # what the loader does, on the CPU batch
+            loss, _ = _on_meta(draft, batch)
+            assert loss.device.type == "meta"
+        batch.plan = None
+        if algorithm != "eagle3" or layout == "packed":
+            with pytest.raises((RuntimeError, NotImplementedError)):
+                _on_meta(draft, batch)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("step", [0, 2])
+def test_bucketed_chain_attention_equals_the_dense_reference(packed, step):
+    torch.manual_seed(0)
+    b, h, hk, t, d = 2, 4, 2, 37, 16  # 37 rows: padded to 64, the ladder's first length
+    q, k0, v0 = torch.randn(b, h, t, d), torch.randn(b, hk, t, d), torch.randn(b, hk, t, d)
+    diag = [(torch.randn(b, hk, t, d), torch.randn(b, hk, t, d)) for _ in range(step)]
+    seg = None
+    if packed:
+        seg = torch.zeros(b, t, dtype=torch.long)
+        seg[0, 20:] = 1
+        seg[1, 30:] = -1
+    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), None, buckets=True)
+    ref = dense_chain_reference(q, k0, v0, diag, seg)
+    rows = torch.ones(b, t, dtype=torch.bool) if seg is None else seg >= 0
+    torch.testing.assert_close(out[rows.unsqueeze(1).expand(-1, h, -1)], ref[rows.unsqueeze(1).expand(-1, h, -1)], **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_bucketed_block_attention_equals_the_dense_reference(window):
+    """Bucketed chunks read more context keys than their blocks see (a ladder length, past the batch's rows): the masks
+    hide them, values and gradients included."""
+    torch.manual_seed(0)
+    b, h, hk, t, k_n, a_n, d = 2, 4, 2, 37, 4, 6, 16
+    anchors = torch.tensor([[0, 3, 9, 17, 25, 33], [2, 5, 8, 20, 31, 0]])
+    start = torch.tensor([[0, 0, 0, 0, 21, 21], [0, 0, 0, 15, 15, 0]])  # packed: second samples start at 21 / 15
+    keep = torch.tensor([[True] * 6, [True] * 5 + [False]])
+    valid = torch.ones(b, t, dtype=torch.bool)
+    q = torch.randn(b, h, a_n * k_n, d, requires_grad=True)
+    kb, vb = (torch.randn(b, hk, a_n * k_n, d, requires_grad=True) for _ in range(2))
+    kc, vc = (torch.randn(b, hk, t, d, requires_grad=True) for _ in range(2))
+    bounds = BlockBounds.of(anchors, start, keep, t, buckets=True)
+    assert bounds.key_rows == 64 and len({a1 - a0 for a0, a1, _, _ in bounds.chunks(window, k_n, b, h // hk)}) == 1
+    out = block_attention(q, kb, vb, kc, vc, anchors, start, keep, valid, window, bounds)
+    ref = dense_block_reference(q, kb, vb, kc, vc, anchors, start, keep, valid, window)
+    torch.testing.assert_close(out, ref, **TOL)
+    w = torch.randn_like(out)
+    g1 = torch.autograd.grad((out * w).sum(), [q, kb, vb, kc, vc])
+    g2 = torch.autograd.grad((ref * w).sum(), [q, kb, vb, kc, vc])
+    for a, r in zip(g1, g2):
+        torch.testing.assert_close(a, r, **TOL)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_bucketed_and_exact_plans_train_alike(algorithm):
+    """The same anchors through bucketed and exact attention calls: the same loss, metrics and gradients (fp32)."""
+    model, draft = _draft(algorithm)
+    batch = pack_batch(_batch(model, draft, [14, 9, 11, 6]), 26)
+    results = []
+    for buckets in (False, True):
+        batch.plan = draft.plan_batch(batch, key=3, buckets=buckets)
+        draft.zero_grad()
+        loss, metrics = draft.loss(batch)
+        loss.backward()
+        results.append((loss.detach(), {k: float(v[0]) for k, v in metrics.items()},
+                        {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (l0, m0, g0), (l1, m1, g1) = results
+    torch.testing.assert_close(l1, l0, **TOL)
+    assert m1.keys() == m0.keys() and all(m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6) for k in m0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], **TOL)
+
+
+def _shapes_over_batches(algorithm: str, buckets: bool, packed: bool, n_batches: int = 50) -> set:
+    """The distinct (query, key) shapes of every attention call over `n_batches` micro-batches of 2 samples of 40-300
+    tokens, padded or packed (prefixes of one captured pair of 300-token rows: a causal target's taps of a prefix are
+    the prefix of its taps)."""
+    model, draft = _draft(algorithm, num_anchors=16)
+    draft.train_metrics = False  # metrics of unlogged steps: the attention calls are the same
+    full = _batch(model, draft, [300, 300], seed=9)
+    seen: set = set()
+    real = attention._sdpa
+
+    def spy(q, k, v, scale, mask=None, is_causal=False):
+        seen.add((tuple(q.shape), tuple(k.shape)))
+        return real(q, k, v, scale, mask, is_causal)
+
+    g = torch.Generator().manual_seed(4)
+    attention._sdpa = spy
+    try:
+        with torch.no_grad():
+            for i in range(n_batches):
+                lengths = torch.randint(40, 301, (2,), generator=g).tolist()
+                t = max(lengths)
+                am = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+                lm = am & (torch.arange(t)[None] >= torch.tensor(lengths)[:, None] // 2)
+                batch = DraftBatch(full.input_ids[:, :t], lm, am, full.taps[:, :t], full.final_hidden[:, :t])
+                if packed:
+                    batch = pack_batch(batch, 640)
+                batch.plan = draft.plan_batch(batch, key=i, buckets=buckets)
+                draft.loss(batch)
+    finally:
+        attention._sdpa = real
+    return seen
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_attention_shapes_come_from_a_few_buckets(algorithm, packed):
+    """Over 50 micro-batches of varied lengths, bucketed attention calls take a handful of shapes; exact ones take a new
+    shape for nearly every batch. Lengths 40-300 span six ladder lengths (64..384); EAGLE-3 makes two kinds of call
+    (step 0, and the later steps' with the merge channels), the block drafts a chunk length and a key length."""
+    bucketed = _shapes_over_batches(algorithm, True, packed)
+    exact = _shapes_over_batches(algorithm, False, packed, n_batches=12)
+    limit = LIMITS[algorithm, packed]
+    assert len(bucketed) <= limit, sorted(bucketed)
+    assert len(exact) > limit
+
+
+LIMITS = {("eagle3", False): 12, ("eagle3", True): 12, ("dflash", False): 8, ("dflash", True): 8, ("dspark", False): 8, ("dspark", True): 8}
+
+
+def test_the_ladder():
+    assert [bucket(n) for n in (1, 64, 65, 96, 97, 128, 129, 200, 4096, 4097)] == [64, 64, 96, 96, 128, 128, 192, 256, 4096, 6144]
+    for n in range(1, 5000, 7):
+        assert n <= bucket(n) <= max(64, n * 3 // 2 + 1)
+
+
+def test_the_loader_plans_each_batch_with_its_micro_batch_seed():
+    """The loader's plan is the draft's own for that key: the same anchors, and a loss equal to planning in the step."""
+    from deepspec.train.batches import Prefetcher
+    from deepspec.train.loader import step_planner
+
+    model, draft = _draft("dflash")
+    batches = [_batch(model, draft, [14, 9], seed=s) for s in range(3)]
+    planner = step_planner(draft, lambda s, m: 1000 * s + m, buckets=False)
+    schedule = [(s, 0, [s]) for s in range(3)]
+    loader = Prefetcher(batches, lambda items: DraftBatch(**{f: getattr(items[0], f) for f in ("input_ids", "loss_mask", "attention_mask", "taps", "final_hidden")}),
+                        schedule, depth=2, plan=planner)
+    try:
+        got = list(loader)
+    finally:
+        loader.close()
+    assert [(s, m) for s, m, _ in got] == [(0, 0), (1, 0), (2, 0)]
+    for s, _, b in got:
+        assert b.plan is not None
+        want = draft.plan_batch(batches[s], key=1000 * s)
+        assert torch.equal(b.plan.anchors, want.anchors) and torch.equal(b.plan.keep, want.keep)
+        with torch.no_grad():
+            planned = draft.loss(b)[0]
+            b.plan = None
+            torch.manual_seed(0)
+            here = draft.loss(b, anchors=want.anchors, keep=want.keep)[0]
+        torch.testing.assert_close(planned, here, rtol=0, atol=0)
