@@ -51,7 +51,9 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # `auto`: bf16 autocast on GPU, fp32 on CPU. `bf16_if_native`: bf16 also on CPUs with AVX512-BF16 / AMX.
     precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
-    compile: bool = False
+    # torch.compile of the draft layers' norms, projections + RoPE and MLPs; the attention stays eager
+    # (deepspec/train/compile.py). `auto`: compiled on CUDA, eager on the CPU. true / false: always / never.
+    compile: bool | Literal["auto"] = False
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
     # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).
@@ -93,6 +95,8 @@ class TrainConfig:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"train.num_workers must be >= 0 or null (auto), got {self.num_workers}.")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ConfigError(f"train.compile must be true, false or auto (compiled on CUDA, eager on the CPU), got {self.compile!r}.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}.")
 

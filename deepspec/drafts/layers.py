@@ -195,7 +195,14 @@ class _RMSNormFn(torch.autograd.Function):
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as HF Llama/Qwen3 do) so bf16 training matches the engines; returns the input's dtype
     (bf16 in, bf16 out: an fp32 weight must not turn the residual stream fp32 under autocast). Backward recomputes the
-    normalisation from the input (`_RMSNormFn`) instead of keeping fp32 intermediates."""
+    normalisation from the input (`_RMSNormFn`) instead of keeping fp32 intermediates; compiled
+    (deepspec/train/compile.py) it is the formula, which Inductor fuses and which then saves for backward no more than
+    `_RMSNormFn` does (tests/test_compile.py).
+
+    Not `torch.nn.functional.rms_norm`: it scales by the weight in fp32 and rounds once (the Gemma rule), where Llama /
+    Qwen3 round the normalised value to the input dtype before the weight; and with fp32 master weights under bf16
+    autocast its input and weight dtypes differ, so it leaves its fused kernel for a composite that keeps fp32
+    intermediates for backward."""
 
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
@@ -204,6 +211,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Inside a compiled region (deepspec/train/compile.py) the formula itself: Inductor fuses it into one kernel
+            # each way and its partitioner keeps only what the backward cannot cheaply recompute, which is the memory
+            # _RMSNormFn saves by hand; _RMSNormFn's slicing loop over the token count would guard on that count and
+            # recompile for every new length.
+            return self.reference(x)
         return _RMSNormFn.apply(x, self.weight, self.eps, self.offset)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,7 +282,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class Attention(nn.Module):
-    """GQA attention whose q/k/v read `in_dim` features (2H for EAGLE-3's first layer)."""
+    """GQA attention whose q/k/v read `in_dim` features (2H for EAGLE-3's first layer).
+
+    The drafts run the attention itself (their chunk plans are data-dependent Python); this module holds what surrounds
+    it. `project_q`, `project_kv` and `output` are the regions deepspec/train/compile.py compiles, so they take tensors
+    only and keep their Python to shapes and module attributes.
+    """
 
     def __init__(self, arch: DraftArch, in_dim: int | None = None):
         super().__init__()
