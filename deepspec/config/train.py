@@ -53,7 +53,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16_if_native", "bf16", "fp32"] = "auto"
     # torch.compile of the draft layers' norms, projections + RoPE and MLPs; the attention stays eager
     # (deepspec/train/compile.py). `auto`: compiled on CUDA, eager on the CPU. true / false: always / never.
-    compile: bool | Literal["auto"] = False
+    compile: bool | Literal["auto"] = "auto"
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
     # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).

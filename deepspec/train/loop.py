@@ -44,6 +44,7 @@ from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, redu
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
 from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, wrap
+from deepspec.train.compile import compile_draft
 from deepspec.train.guard import NonFiniteGuard
 from deepspec.train.preemption import PreemptionWatch
 from deepspec.train.precision import resolve_precision, setup_precision
@@ -142,8 +143,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     model.train()
     dtype = setup_precision(model, tcfg.precision, info.device)  # TF32 on CUDA; frozen target tensors in the training dtype
     wrapped = wrap(model, tcfg.parallel, info.world, info.device, dtype)
-    if tcfg.compile:
-        wrapped.compile()  # in place: parameter names (checkpoints, optimizer state) stay unprefixed
+    compile_draft(model, tcfg.compile, info.device)  # the layers' pieces, in place; the attention stays eager
     sharded = tcfg.parallel == "fsdp"
     optimizer = build_optimizer(wrapped, tcfg)
     scheduler = build_scheduler(optimizer, tcfg, total_steps)
