@@ -1,7 +1,7 @@
 """Cache reader throughput: an on-disk cache of a real target's shape read through the trainer's whole loader path.
 
     .venv/bin/python benchmarks/bench_loader.py --shape qwen3-8b --seq-len 4096 [--samples 16] [--workers 0 1 2]
-        [--baseline-rev 0d15c21] [--dir DIR] [--passes 3]
+        [--baseline-rev 0d15c21] [--dir DIR] [--passes 3] [--micro-batch 4 --pack-tokens 8192]
 
 Builds a cache of `--samples` samples of `--seq-len` tokens with the shape's taps (+ the final state), width and
 dtype, reads it from the (warm) page cache through the loader the trainer uses — plan order, collation into batch
@@ -15,6 +15,11 @@ tensors, pinned memory and the copy to the GPU where there is one — and prints
   by_workers                       tokens/s for each loader process count tried (0 = one background thread)
 
 GB are feature bytes (taps + final state in the cache dtype) per second, 1 GB = 1e9 bytes.
+
+`--pack-tokens N` measures the packed path (train.pack_tokens = N): each micro-batch's samples packed into rows of
+about N tokens, as the trainer's collate does (give `--micro-batch` > 1 so rows hold several samples). Against a
+`--baseline-rev` from before one-copy packing this compares collate + zero-filled repack + pin with packing straight
+from the cache.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ def memcpy_gb_per_s(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def measure(cache: str, workers: int, passes: int, micro_batch: int) -> dict:
+def measure(cache: str, workers: int, passes: int, micro_batch: int, pack_tokens: int = 0) -> dict:
     """Tokens/s through this interpreter's deepspec loader (whichever revision sys.path gives). Each pass opens
     the cache anew, so its shards are mapped afresh as in an epoch of a real run (no pages left mapped from the
     previous pass); each pass's first batch (worker start-up) is not timed."""
@@ -125,17 +130,22 @@ def measure(cache: str, workers: int, passes: int, micro_batch: int) -> dict:
         n = len(ds)
         bpt = int(ds.index["nbytes"][0]) // int(ds.index["length"][0])
         schedule = [(p, m, list(range(m * micro_batch, (m + 1) * micro_batch))) for m in range(n // micro_batch)]
+        collate = batches.collate_fn(ds)
+        if pack_tokens:  # the trainer's packed collate (train.pack_tokens), as its loop wraps it
+            collate = batches.packing(collate, pack_tokens)
         try:
             from deepspec.train.loader import build_loader
         except ImportError:  # a revision before worker processes: its thread prefetcher, as its loop built it
-            collate = batches.collate_features
             if cuda:
                 from deepspec.train.staging import pin_batch
 
                 collate = pin_batch(collate)
             loader = batches.Prefetcher(ds, collate, iter(schedule), 2)
         else:
-            loader = build_loader(ds, batches.collate_fn(ds), iter(schedule), depth=2, processes=workers, pin=cuda)
+            import inspect
+
+            packed = {"packed": True} if pack_tokens and "packed" in inspect.signature(build_loader).parameters else {}
+            loader = build_loader(ds, collate, iter(schedule), depth=2, processes=workers, pin=cuda, **packed)
         t0 = time.perf_counter()
         seen = None
         for _step, _m, batch in loader:
@@ -164,10 +174,10 @@ def baseline_checkout(rev: str) -> Path:
     return path
 
 
-def run_measure(src: Path, cache: Path, workers: int, passes: int, micro_batch: int) -> dict:
+def run_measure(src: Path, cache: Path, workers: int, passes: int, micro_batch: int, pack_tokens: int = 0) -> dict:
     """One measurement in a fresh interpreter importing deepspec from `src` (so revisions never mix)."""
     cmd = [sys.executable, __file__, "--_measure", str(cache), "--_src", str(src), "--_workers", str(workers),
-           "--passes", str(passes), "--micro-batch", str(micro_batch)]
+           "--passes", str(passes), "--micro-batch", str(micro_batch), "--pack-tokens", str(pack_tokens)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(src)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -179,6 +189,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--passes", type=int, default=3, help="epochs over the cache per measurement")
+    ap.add_argument("--pack-tokens", type=int, default=0, help="measure the packed path: rows of about N tokens (0 = unpacked)")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loader processes to try (0 = thread)")
     ap.add_argument("--baseline-rev", default="0d15c21")
     ap.add_argument("--no-baseline", action="store_true")
@@ -189,7 +200,7 @@ def main() -> int:
     args = ap.parse_args()
     if args._measure:
         sys.path.insert(0, args._src)
-        print(json.dumps(measure(args._measure, args._workers, args.passes, args.micro_batch)))
+        print(json.dumps(measure(args._measure, args._workers, args.passes, args.micro_batch, args.pack_tokens)))
         return 0
 
     import shutil
@@ -204,10 +215,11 @@ def main() -> int:
         build_s = time.perf_counter() - t
         warm(cache)
         ceiling = memcpy_gb_per_s()
-        by_workers = {w: run_measure(ROOT, cache, w, args.passes, args.micro_batch) for w in args.workers}
+        by_workers = {w: run_measure(ROOT, cache, w, args.passes, args.micro_batch, args.pack_tokens) for w in args.workers}
         best_w = max(by_workers, key=lambda w: by_workers[w]["tokens_per_s"])
         out = {
             "shape": args.shape, "seq_len": args.seq_len, "samples": args.samples, "micro_batch": args.micro_batch,
+            "pack_tokens": args.pack_tokens,
             "dtype": SHAPES[args.shape][3], "feature_bytes_per_token": info["feature_bytes_per_token"],
             "cache_gb": round(info["record_bytes"] * args.samples / 1e9, 2), "build_s": round(build_s, 1),
             "device": "cuda" if torch.cuda.is_available() else "cpu", "cpus": len(os.sched_getaffinity(0)),
@@ -217,7 +229,8 @@ def main() -> int:
         }
         out["share_of_memcpy"] = round(out["gb_per_s"] / ceiling, 3)
         if not args.no_baseline:
-            base = run_measure(baseline_checkout(args.baseline_rev), cache, 0, max(1, args.passes - 1), args.micro_batch)
+            base = run_measure(baseline_checkout(args.baseline_rev), cache, 0, max(1, args.passes - 1), args.micro_batch,
+                               args.pack_tokens)
             out.update({"baseline_rev": args.baseline_rev, "baseline_tokens_per_s": round(base["tokens_per_s"]),
                         "baseline_gb_per_s": round(base["gb_per_s"], 3),
                         "speedup": round(out["tokens_per_s"] / base["tokens_per_s"], 2)})

@@ -110,11 +110,13 @@ def test_online_features_stay_on_the_target_device_in_its_dtype(fp32_cache, tiny
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the target's own stream and the stager's")
-def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on_cuda(fp32_cache, tiny_llama_dir):
-    """On a GPU the loader thread runs the target on its own stream while the default stream is busy, and the stager
-    widens the features on a third: every staged batch must equal the features computed with nothing in flight."""
+@pytest.mark.parametrize("pack_tokens, dtype", [(0, torch.float32), (0, torch.bfloat16), (24, torch.float32), (24, torch.bfloat16)])
+def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on_cuda(fp32_cache, tiny_llama_dir, pack_tokens, dtype):
+    """On a GPU the loader thread runs the target on its own stream while the default stream is busy, packs the
+    features on the device (train.pack_tokens), and the stager converts them to the training dtype on a third: every
+    staged batch must equal the features computed and packed with nothing in flight."""
     from deepspec.data.cache.online import OnlineFeatures
-    from deepspec.train.batches import Prefetcher
+    from deepspec.train.batches import Prefetcher, pack_batch, packing
     from deepspec.train.staging import DeviceStager
 
     cfg, ds = fp32_cache
@@ -122,15 +124,108 @@ def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on
     model = _target(tiny_llama_dir, torch.bfloat16).to(device)
     online = _online(cfg, tiny_llama_dir)
     feats = OnlineFeatures(model, ds.taps)
-    plan = [(s, 0, [s % len(online), (s + 3) % len(online)]) for s in range(24)]
+    plan = [(s, 0, [s % len(online), (s + 3) % len(online), (s + 4) % len(online)]) for s in range(24)]
     want = {}
     for step, _, idx in plan:
-        b = feats([online[i] for i in idx]).to(device, torch.float32)
+        b = feats([online[i] for i in idx])
         torch.cuda.synchronize()
-        want[step] = (b.taps.clone(), b.final_hidden.clone())
+        if pack_tokens:
+            b = pack_batch(b, pack_tokens)
+            torch.cuda.synchronize()
+        b = b.to(device, dtype)
+        torch.cuda.synchronize()
+        want[step] = (b.taps.clone(), b.final_hidden.clone(), b.input_ids.clone())
+    packed_rows = sum(want[s][2].shape[0] < 3 for s in want)
+    assert packed_rows == (len(plan) if pack_tokens else 0)  # the packing path did run
     busy = torch.randn(4096, 4096, device=device)
-    staged = DeviceStager(Prefetcher(online, lambda items: feats(items, pin=True), iter(plan), depth=2), device, torch.float32)
+    collate = packing(feats, pack_tokens)
+    staged = DeviceStager(Prefetcher(online, lambda items: collate(items, pin=True), iter(plan), depth=2), device, dtype)
     for step, _, batch, _, _ in staged:
-        for _ in range(8):  # keep the default stream busy while the next batch is computed and widened
+        for _ in range(8):  # keep the default stream busy while the next batch is computed, packed and converted
             busy = (busy @ busy).tanh_()
+        assert batch.taps.dtype == dtype
         assert torch.equal(batch.taps, want[step][0]) and torch.equal(batch.final_hidden, want[step][1]), step
+        assert torch.equal(batch.input_ids.cpu(), want[step][2].cpu()), step
+
+
+def test_validation_and_the_loader_thread_take_turns_on_the_target(fp32_cache, tiny_llama_dir, one_torch_thread):
+    """Tap hooks catch every forward of a tapped layer, whoever runs it: validation on the trainer's thread and the
+    loader thread prefetching training batches (train.num_workers = 2) share one target, so they must never run it
+    at once, and each must get its own samples' features."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from deepspec.data.cache.online import OnlineFeatures
+    from deepspec.train.batches import Prefetcher
+    from deepspec.train.dist import DistInfo
+    from deepspec.train.validate import run_validation
+
+    cfg, ds = fp32_cache
+    model = _target(tiny_llama_dir)
+    online = _online(cfg, tiny_llama_dir)
+    feats = OnlineFeatures(model, ds.taps)
+    n = len(online)
+    plan = [(s, 0, [s % n, (s + 2) % n]) for s in range(6)]
+    val_chunks = [[0, 1], [2, 3], [4, 5]]
+    want = {tuple(idx): feats([online[i] for i in idx]) for idx in [p[2] for p in plan] + val_chunks}  # one at a time
+
+    active, peak, runs = [0], [0], []  # forwards in flight, the most at once, (thread, start, end) of each
+    count, local = threading.Lock(), threading.local()
+
+    def enter(module, args):
+        with count:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        local.t0 = time.perf_counter()
+        time.sleep(0.02)  # a long forward: without turns, the other thread's forward starts inside this one
+
+    def leave(module, args, output):
+        with count:
+            active[0] -= 1
+        runs.append((threading.current_thread().name, local.t0, time.perf_counter()))
+
+    decoder = model.model  # the decoder the tap capture runs (LlamaModel)
+    h1 = decoder.register_forward_pre_hook(enter)
+    h2 = decoder.register_forward_hook(leave)
+
+    class Held:  # what OnlineData gives validation: samples and the features' collate
+        def __init__(self):
+            self.collate = feats
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return online[i]
+
+    seen_val = []
+
+    class Recorder(torch.nn.Module):  # stands in for the draft: checks each validation batch's features
+        def forward(self, batch):
+            seen_val.append((batch.taps.clone(), batch.final_hidden.clone()))
+            return torch.zeros(()), {}
+
+    vcfg = SimpleNamespace(train=SimpleNamespace(val_max_samples=6, val_batch_size=2, precision="fp32"))
+    info = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+    loader = Prefetcher(online, feats, iter(plan), depth=2)
+    try:
+        for (step, _, idx), (s_, _, batch) in zip(plan, loader):
+            assert s_ == step
+            assert torch.equal(batch.taps, want[tuple(idx)].taps) and torch.equal(batch.final_hidden, want[tuple(idx)].final_hidden)
+            if step % 2 == 0:  # validate while the loader thread prefetches the next two batches
+                seen_val.clear()
+                run_validation(Recorder(), Held(), vcfg, info, lambda: torch.autocast("cpu", enabled=False))
+                for (taps, final), chunk in zip(seen_val, val_chunks, strict=True):
+                    assert torch.equal(taps, want[tuple(chunk)].taps.float()) and torch.equal(final, want[tuple(chunk)].final_hidden.float())
+    finally:
+        loader.close()
+        h1.remove()
+        h2.remove()
+    assert peak[0] == 1, "validation and the loader thread ran the target at the same time"
+    main = threading.current_thread().name
+    val_runs = [r for r in runs if r[0] == main]
+    load_runs = [r for r in runs if r[0] != main]
+    assert len(val_runs) == 9 and len(load_runs) == len(plan)
+    # the two did want the target at once: a loader forward ran between the first and last forward of a validation
+    assert any(v0[1] < l[1] < v1[1] for l in load_runs for v0, v1 in zip(val_runs, val_runs[1:]))

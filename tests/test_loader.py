@@ -116,3 +116,27 @@ def test_fp8_features_cross_as_fp8_and_widen_with_their_scales():
         assert not wide.taps[b, t:].any()
     packed = pack_batch(batch, pack_tokens=16).to("cpu", torch.float32)
     assert torch.equal(packed.taps[0, :5], wide.taps[0, :5]) and torch.equal(packed.taps[0, 5:8], wide.taps[1, :3])
+
+
+def test_bench_loader_measures_the_packed_path(tmp_path, monkeypatch):
+    """benchmarks/bench_loader.py --pack-tokens: the cache read through the trainer's packed collate, every token
+    counted as in the unpacked read."""
+    import importlib.util
+    from pathlib import Path
+
+    import deepspec.train.batches as batches
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loader.py"
+    spec = importlib.util.spec_from_file_location("bench_loader", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cache = tmp_path / "cache"
+    bench.build_cache(cache, "smollm2-135m", seq_len=48, samples=8)
+    packed = []
+    real_pack = batches._pack
+    monkeypatch.setattr(batches, "_pack", lambda layout, lengths, sources, pin: packed.append(len(layout)) or real_pack(layout, lengths, sources, pin))
+    plain = bench.measure(str(cache), 0, 1, 4)
+    assert packed == []
+    out = bench.measure(str(cache), 0, 1, 4, pack_tokens=96)
+    assert packed == [2, 2]  # two micro-batches of 4 x 48 tokens, each into 2 rows of 96
+    assert out["tokens"] == plain["tokens"] == 4 * 48  # the first batch of a pass is not timed

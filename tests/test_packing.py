@@ -14,7 +14,7 @@ from deepspec.drafts import get_algorithm
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import collate_features, pack_batch, pack_layout, packing
+from deepspec.train.batches import collate_features, pack_batch, pack_features, pack_layout, packing
 
 LENGTHS = [11, 17, 6, 9]
 
@@ -278,12 +278,13 @@ logging: {{progress: false, wandb: false, tensorboard: false}}
 
     packed_rows = []
 
-    def counting(batch, pack_tokens):
-        out = pack_batch(batch, pack_tokens)
-        packed_rows.append((batch.input_ids.shape[0], out.input_ids.shape[0]))
-        return out
+    real_pack = batches._pack  # what both packing paths (from the samples, from a padded batch) end in
 
-    monkeypatch.setattr(batches, "pack_batch", counting)
+    def counting(layout, lengths, sources, pin):
+        packed_rows.append((len(lengths), len(layout)))
+        return real_pack(layout, lengths, sources, pin)
+
+    monkeypatch.setattr(batches, "_pack", counting)
     losses = {}
     for pack in (0, 96):
         cfg = load_config(recipe, [f"train.pack_tokens={pack}", f"exp=pack{pack}"])
@@ -293,3 +294,110 @@ logging: {{progress: false, wandb: false, tensorboard: false}}
     assert len(losses[0]) == 2
     assert len(packed_rows) == 4 and any(rows < samples for samples, rows in packed_rows)  # 2 steps x 2 micro-batches
     assert losses[96] == pytest.approx(losses[0], rel=1e-5)
+
+
+def _reference_pack_batch(batch, pack_tokens):
+    """pack_batch as it was before it packed into one buffer (zero-filled tensors, then the samples copied in):
+    the golden output the one-copy packing must reproduce bit for bit."""
+    from deepspec.drafts.base import DraftBatch
+
+    lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
+    layout = pack_layout(lengths, pack_tokens)
+    width = max(sum(lengths[i] for i in row) for row in layout)
+    rows_n = len(layout)
+    names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
+    names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]
+    out = {k: torch.zeros((rows_n, width, *getattr(batch, k).shape[2:]), dtype=getattr(batch, k).dtype) for k in names}
+    pos = torch.zeros(rows_n, width, dtype=torch.long)
+    seg = torch.full((rows_n, width), -1, dtype=torch.long)
+    for r, row in enumerate(layout):
+        at = 0
+        for j, i in enumerate(row):
+            n = lengths[i]
+            for k in names:
+                out[k][r, at : at + n] = getattr(batch, k)[i, :n]
+            pos[r, at : at + n] = torch.arange(n)
+            seg[r, at : at + n] = j
+            at += n
+    return DraftBatch(**out, position_ids=pos, segment_ids=seg)
+
+
+def _random_items(g, kind, n_samples):
+    """Cache-like samples: bf16 / fp32 features, or fp8 with per-row scales (2 streams per tap, concatenated)."""
+    items = []
+    for _ in range(n_samples):
+        t = int(torch.randint(1, 40, (), generator=g))
+        it = {"input_ids": torch.randint(0, 1000, (t,), generator=g), "loss_mask": torch.rand(t, generator=g) > 0.4}
+        if kind == "fp8":
+            it["taps"] = (torch.randn(t, 3, 2 * 8, generator=g) * 50).to(torch.float8_e4m3fn)
+            it["taps_scale"] = torch.rand(t, 3, 2, generator=g)
+            it["final_hidden"] = (torch.randn(t, 8, generator=g) * 50).to(torch.float8_e4m3fn)
+            it["final_scale"] = torch.rand(t, generator=g)
+        else:
+            dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+            it["taps"] = torch.randn(t, 3, 8, generator=g).to(dtype)
+            it["final_hidden"] = torch.randn(t, 8, generator=g).to(dtype)
+        items.append(it)
+    return items
+
+
+def _bits(x):
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
+
+
+def _assert_identical(a, b):
+    from dataclasses import fields
+
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+            assert x == y, f.name
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape, f.name
+        assert torch.equal(_bits(x), _bits(y)), f.name
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "fp8"])
+def test_one_copy_packing_equals_the_reference_bit_for_bit(kind):
+    """pack_batch (from a padded batch) and pack_features / packing (straight from the samples) give exactly the
+    tensors of the reference packing, over random batches, buffers recycled between them (the stale bytes of the
+    previous batch must never show through the padding)."""
+    from deepspec.train.buffers import POOL
+
+    POOL.clear()
+    g = torch.Generator().manual_seed({"bf16": 0, "fp32": 1, "fp8": 2}[kind])
+    recycled = 0
+    seen_ptrs = set()
+    for trial in range(30):
+        items = _random_items(g, kind, int(torch.randint(1, 9, (), generator=g)))
+        pack_tokens = int(torch.randint(1, 120, (), generator=g))
+        padded = collate_features(items, pad_to_multiple_of=[1, 8][trial % 2])
+        want = _reference_pack_batch(padded, pack_tokens)
+        for got in (pack_batch(padded, pack_tokens), pack_features(items, pack_tokens), packing(collate_features, pack_tokens)(items)):
+            _assert_identical(got, want)
+            recycled += got.taps.data_ptr() in seen_ptrs
+            seen_ptrs.add(got.taps.data_ptr())
+            del got
+    assert recycled > 10  # the comparison did run on reused buffers
+
+
+def test_packing_rejects_what_it_would_silently_mistrain_on():
+    from deepspec.errors import CacheError, DataError
+
+    g = torch.Generator().manual_seed(5)
+    items = _random_items(g, "bf16", 3)
+    batch = collate_features(items)
+    left = torch.zeros_like(batch.attention_mask)
+    n = int(batch.attention_mask[0].sum())
+    left[0, batch.attention_mask.shape[1] - n :] = True  # row 0 left-padded
+    left[1:] = batch.attention_mask[1:]
+    import dataclasses
+
+    with pytest.raises(DataError, match="right-padded"):
+        pack_batch(dataclasses.replace(batch, attention_mask=left), 64)
+    bad = [dict(it) for it in items]
+    bad[1]["final_hidden"] = bad[1]["final_hidden"][:1]  # one row would broadcast over all of the sample's tokens
+    with pytest.raises(CacheError, match="rows of 'final_hidden'"):
+        pack_features(bad, 64)
+    with pytest.raises(CacheError, match="rows of 'final_hidden'"):
+        collate_features(bad)

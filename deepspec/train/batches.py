@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -163,6 +164,7 @@ def collate_features(items: list[dict[str, Any]], pad_token_id: int = 0, pad_to_
     B = len(items)
     first = items[0]
     keys = ["taps", "final_hidden"] + [k for k in ("taps_scale", "final_scale") if first.get(k) is not None]
+    _check_rows(items, keys, [int(it["input_ids"].shape[0]) for it in items])
     out = {k: _empty((B, T, *first[k].shape[1:]), first[k].dtype, pin) for k in keys}
     ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     lm = torch.zeros(B, T, dtype=torch.bool)
@@ -224,41 +226,161 @@ def pack_layout(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
         rows_n -= 1
 
 
-def pack_batch(batch: DraftBatch, pack_tokens: int) -> DraftBatch:
-    """Repack a right-padded batch so rows hold several samples back to back (DraftBatch's packing contract:
-    position_ids restart per sample, segment_ids number the samples of a row, -1 = padding)."""
-    lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
-    layout = pack_layout(lengths, pack_tokens)
+_FEATURES = ("taps", "final_hidden", "taps_scale", "final_scale")
+_PACK_STREAMS: dict[torch.device, Any] = {}
+_PACK_STREAMS_LOCK = threading.Lock()
+
+
+def _pack_stream(device: torch.device):
+    """The stream that packs features already on a GPU (online features), one per device, made on first use.
+
+    Not the caller's current stream: in the loader thread that is the default stream, where the draft's step is
+    queued, so packing there would wait behind the step (and the stager, which reads the packed tensors on its own
+    stream, would not wait for it at all)."""
+    with _PACK_STREAMS_LOCK:
+        if device not in _PACK_STREAMS:
+            _PACK_STREAMS[device] = torch.cuda.Stream(device)
+        return _PACK_STREAMS[device]
+
+
+def _pack(layout: list[list[int]], lengths: list[int], sources: dict[str, tuple[list[torch.Tensor], torch.dtype]],
+          pin: bool) -> DraftBatch:
+    """Copy each sample's rows (sources[name] = (one [n_i, ...] tensor per sample, dtype)) back to back into one new
+    [rows, width, ...] tensor per name: host tensors in `_empty`'s memory (page-locked with `pin`, so nothing pins
+    them again), tensors on a GPU on that GPU. Each byte is written once: the samples by one copy, only the row tails
+    zero-filled (never the whole tensor first). position_ids restart at 0 per sample, segment_ids number a row's
+    samples (-1 = padding).
+
+    Device sources must be complete when handed in (online features: OnlineFeatures waits for its forward). Their
+    copies run on `_pack_stream`, and the host waits for them before returning, so the packed batch is complete for
+    whichever stream reads it next (the stager's: deepspec/train/staging.py), and the unpacked tensors the caller
+    drops afterwards have no copy still reading them when the allocator hands their memory out again."""
+    import contextlib
+
     width = max(sum(lengths[i] for i in row) for row in layout)
     rows_n = len(layout)
-
-    def empty(x: torch.Tensor) -> torch.Tensor:  # on x's device: online features stay on the target's GPU
-        return torch.zeros((rows_n, width, *x.shape[2:]), dtype=x.dtype, device=x.device)
-
-    names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
-    names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]
-    out = {k: empty(getattr(batch, k)) for k in names}
-    pos = torch.zeros(rows_n, width, dtype=torch.long)
-    seg = torch.full((rows_n, width), -1, dtype=torch.long)
+    out: dict[str, torch.Tensor] = {}
+    streams = []
+    for name, (per_sample, dtype) in sources.items():
+        device = per_sample[0].device
+        stream = _pack_stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            shape = (rows_n, width, *per_sample[0].shape[1:])
+            if device.type != "cpu":
+                dst = torch.empty(shape, dtype=dtype, device=device)
+            elif name in _FEATURES:  # the bulk of the bytes: recycled / page-locked / shared memory
+                dst = _empty(shape, dtype, pin)
+            else:  # ids and masks: a few bytes per token, not worth a pooled buffer
+                dst = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            for r, row in enumerate(layout):
+                at = 0
+                for i in row:
+                    dst[r, at : at + lengths[i]].copy_(per_sample[i])
+                    at += lengths[i]
+                if at < width:
+                    dst[r, at:].zero_()
+        if stream is not None and stream not in streams:
+            streams.append(stream)
+        out[name] = dst
+    pos = torch.zeros(rows_n, width, dtype=torch.long, pin_memory=pin)
+    seg = torch.full((rows_n, width), -1, dtype=torch.long, pin_memory=pin)
     for r, row in enumerate(layout):
         at = 0
         for j, i in enumerate(row):
-            n = lengths[i]
-            for k in names:
-                out[k][r, at : at + n] = getattr(batch, k)[i, :n]
-            pos[r, at : at + n] = torch.arange(n)
-            seg[r, at : at + n] = j
-            at += n
+            pos[r, at : at + lengths[i]] = torch.arange(lengths[i])
+            seg[r, at : at + lengths[i]] = j
+            at += lengths[i]
+    for stream in streams:
+        stream.synchronize()
     return DraftBatch(**out, position_ids=pos, segment_ids=seg)
 
 
+
+def pack_batch(batch: DraftBatch, pack_tokens: int, pin: bool = False) -> DraftBatch:
+    """Repack a right-padded batch so rows hold several samples back to back (DraftBatch's packing contract:
+    position_ids restart per sample, segment_ids number the samples of a row, -1 = padding).
+
+    Features keep their dtype and device (online features stay on the target's GPU); `pin` puts the host tensors
+    in page-locked memory directly. A row whose real tokens are not a prefix (a left-padded or holed batch) raises:
+    packing keeps each row's first attention_mask.sum() tokens, so it would silently train on padding."""
+    am = batch.attention_mask.cpu()
+    lengths = [int(n) for n in am.sum(1).tolist()]
+    ragged = [b for b, n in enumerate(lengths) if not bool(am[b, :n].all())]
+    if ragged:
+        from deepspec.errors import DataError
+
+        raise DataError(f"pack_batch needs right-padded rows (real tokens first); rows {ragged[:5]} are not. "
+                        "Collate with deepspec.train.batches.collate_features, which right-pads.")
+    names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
+    names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]
+    sources = {}
+    for k in names:
+        x = getattr(batch, k)
+        sources[k] = ([x[i, :n] for i, n in enumerate(lengths)], x.dtype)
+    return _pack(pack_layout(lengths, pack_tokens), lengths, sources, pin)
+
+
+def pack_features(items: list[dict[str, Any]], pack_tokens: int, pin: bool = False) -> DraftBatch:
+    """`pack_batch(collate_features(items), pack_tokens)`, bit for bit, copying each sample's features once:
+    from the cache's mapped views straight into the packed rows (no padded batch in between, no zero-filled
+    tensor, no pinning copy: `pin` allocates the packed tensors page-locked)."""
+    if not items:
+        from deepspec.errors import DataError
+
+        raise DataError("pack_features got an empty list of samples.")
+    lengths = [int(it["input_ids"].shape[0]) for it in items]
+    first = items[0]
+    keys = ["taps", "final_hidden"] + [k for k in ("taps_scale", "final_scale") if first.get(k) is not None]
+    _check_rows(items, keys, lengths)
+    sources: dict[str, tuple[list[torch.Tensor], torch.dtype]] = {
+        "input_ids": ([torch.as_tensor(it["input_ids"]) for it in items], torch.long),
+        "loss_mask": ([torch.as_tensor(it["loss_mask"]).bool() for it in items], torch.bool),
+        "attention_mask": ([torch.ones(n, dtype=torch.bool) for n in lengths], torch.bool),
+    }
+    for k in keys:
+        sources[k] = ([it[k] for it in items], first[k].dtype)
+    return _pack(pack_layout(lengths, pack_tokens), lengths, sources, pin)
+
+
+def _check_rows(items: list[dict[str, Any]], keys: list[str], lengths: list[int]) -> None:
+    """Every per-token field of a sample has its token count of rows. Checked because a copy would not say so: a
+    one-row tensor broadcasts over all of them."""
+    from deepspec.errors import CacheError
+
+    for b, (it, n) in enumerate(zip(items, lengths)):
+        for k in ["loss_mask", *keys]:
+            got = it.get(k)
+            if got is None:
+                raise CacheError(f"Sample {b} of the batch has no {k!r} while sample 0 has one: the batch mixes caches.")
+            if int(got.shape[0]) != n:
+                raise CacheError(f"Sample {b} of the batch has {int(got.shape[0])} rows of {k!r} for {n} tokens: "
+                                 "its cache record is inconsistent; rebuild the cache (deepspec data cache CONFIG --verify names it).")
+
+
+def _pin_by_default() -> bool:
+    """Whether a packed batch is made page-locked when the caller does not say: yes in a process that already uses
+    CUDA (the trainer on a GPU, which copies it to the device from page-locked memory), never in a DataLoader worker
+    (whose tensors go to shared memory) or a CPU run (where pinning would start CUDA for nothing)."""
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is None and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def packing(collate, pack_tokens: int):
-    """train.pack_tokens > 0: each collated micro-batch is repacked into rows of about pack_tokens tokens."""
+    """train.pack_tokens > 0: each collated micro-batch is repacked into rows of about pack_tokens tokens.
+
+    The cache's collate (collate_features) is skipped: its samples are packed straight from the mapped cache, one
+    copy. Any other collate (online features, a dataset's own) builds its padded batch, which is then packed once.
+    `pin` (default: whether this process uses CUDA, `_pin_by_default`) makes the packed host tensors page-locked
+    from the start, so the loader's pinning finds nothing left to copy."""
     if not pack_tokens:
         return collate
 
-    def wrapped(items: list[Any]) -> DraftBatch:
-        return pack_batch(collate(items), pack_tokens)
+    def wrapped(items: list[Any], pin: bool | None = None) -> DraftBatch:
+        pin = _pin_by_default() if pin is None else pin
+        if collate is collate_features:
+            return pack_features(items, pack_tokens, pin=pin)
+        return pack_batch(collate(items), pack_tokens, pin=pin)
 
     return wrapped
 

@@ -17,6 +17,7 @@ import torch
 
 from deepspec.train.batches import collate_fn
 from deepspec.train.dist import DistInfo, reduce_metrics
+from deepspec.train.staging import feature_dtype
 from deepspec.train.weighting import micro_batch_weight
 
 BEST_KEY = "expected_tau"
@@ -48,7 +49,9 @@ def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, aut
     """Evaluate up to `train.val_max_samples` held-out samples, split over ranks.
 
     Every rank runs the same number of forwards (FSDP all-gathers in each); surplus ones repeat a
-    batch and are not counted.
+    batch and are not counted. Online held-out data runs the same target as the loader thread's training batches:
+    its forwards take turns with those (deepspec/data/cache/online.py: target_lock), since tap hooks would catch
+    both.
     """
     n = min(len(data), cfg.train.val_max_samples)
     bs = cfg.train.val_batch_size
@@ -56,6 +59,7 @@ def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, aut
     chunks = [mine[i : i + bs] for i in range(0, len(mine), bs)]
     per_rank = math.ceil(math.ceil(n / info.world) / bs) if n else 0
     collate = collate_fn(data)
+    dtype = feature_dtype(cfg.train.precision, info.device)  # as the training batches are staged (train/staging.py)
     sums: dict[str, list[float]] = {}
     loss_num = loss_den = 0.0
     was_training = wrapped.training
@@ -64,7 +68,7 @@ def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, aut
         for j in range(per_rank):
             real = j < len(chunks)
             idx = chunks[j] if real else [0]
-            batch = collate([data[i] for i in idx]).to(info.device, torch.float32)
+            batch = collate([data[i] for i in idx]).to(info.device, dtype)
             with autocast():
                 loss, metrics = wrapped(batch)
             if not real:

@@ -16,6 +16,8 @@ bf16) plus its activations for one micro-batch and the prefetched batches' featu
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,6 +25,25 @@ import numpy as np
 
 from deepspec.data.cache.writer import Sample, read_conversations, resolve_taps, sample_features
 from deepspec.data.chat import render_conversation
+
+
+_TARGET_LOCKS: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
+_TARGET_LOCKS_GUARD = threading.Lock()
+
+
+def target_lock(model) -> threading.Lock:
+    """The one lock every feature computation on `model` holds for its whole forward (and the wait for it).
+
+    Taps are caught by forward hooks registered on the target's layers for the duration of a forward
+    (deepspec/targets/taps.py), and a hook sees every forward of that layer, not only its own caller's: the loader
+    thread prefetching a training batch and the trainer validating on the same target at the same moment would
+    each record the other's layer outputs (tests/test_cache_online.py). Taking turns costs a validation at most the
+    wait for the loader's one forward in flight."""
+    with _TARGET_LOCKS_GUARD:
+        lock = _TARGET_LOCKS.get(model)
+        if lock is None:
+            lock = _TARGET_LOCKS[model] = threading.Lock()
+        return lock
 
 
 class OnlineDataset:
@@ -83,7 +104,9 @@ class OnlineFeatures:
         groups = _batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
         n = len(self.taps)
         for group in groups:
-            for s, feats in sample_features(self.model, group, self.taps, self.tap_reduction):
+            with target_lock(self.model):  # the hooks of a forward running elsewhere would catch this one's taps
+                caught = list(sample_features(self.model, group, self.taps, self.tap_reduction))
+            for s, feats in caught:
                 rows = (feats.shape[1] - 1) // n
                 out.append({
                     "input_ids": torch.from_numpy(s.input_ids.astype(np.int64)),
@@ -109,6 +132,12 @@ class OnlineFeatures:
                 self._stream.wait_stream(torch.cuda.current_stream(device))  # after the weights' loading
         return self._stream
 
+    def _on_target_stream(self):
+        import torch
+
+        stream = self._target_stream()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     def __call__(self, samples: Sequence[Sample], pin: bool = False):
         """A DraftBatch whose features stay on the target's device in the target's dtype (padding zeroed, as the
         cache's collate pads); ids and masks on the host (page-locked with `pin`), as the trainer counts them there."""
@@ -131,8 +160,9 @@ class OnlineFeatures:
             ids[b, : lengths[b]] = torch.from_numpy(s.input_ids.astype(np.int64))
             lm[b, : lengths[b]] = torch.from_numpy(s.loss_mask.astype(bool))
             am[b, : lengths[b]] = True
-        stream = self._target_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        # one forward at a time on this target (target_lock), held until its features are complete; the stream is
+        # chosen under the lock too, so two threads' first batches do not each make one
+        with target_lock(self.model), self._on_target_stream():
             groups = _batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
             if len(groups) == 1:
                 feats = device_features(self.model, samples, self.taps, self.tap_reduction)
