@@ -58,13 +58,13 @@ def test_cpu_stager_converts_features_to_its_dtype_and_keeps_fp32_as_before(fp8)
                 assert torch.equal(batch.final_hidden, src.to("cpu", torch.float32).final_hidden)
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
 def test_bf16_staged_features_give_bf16_training_the_same_loss_and_gradients(algorithm):
     """Under bf16 autocast the drafts round their feature inputs to bf16 anyway: features of a bf16 cache staged in
     bf16 give exactly the loss and gradients that the same features staged in fp32 gave."""
     torch.manual_seed(0)
     model, _ = tiny_target("qwen3" if algorithm != "eagle3" else "llama")
-    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], block_size=4, num_anchors=3, ttt_length=3)
+    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], block_size=4, num_anchors=3, markov_rank=8, ttt_length=3)
     draft = get_algorithm(algorithm).from_target_config(model.config, cfg)
     draft.load_target_weights(*target_weights(model))
     g = torch.Generator().manual_seed(3)
