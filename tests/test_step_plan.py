@@ -134,6 +134,72 @@ def test_bucketed_block_attention_equals_the_dense_reference(window):
         torch.testing.assert_close(a, r, **TOL)
 
 
+def _flex_case(device: str, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    b, h, hk, t, k_n, a_n, d = 2, 4, 2, 37, 4, 6, 16
+    anchors = torch.tensor([[0, 3, 9, 17, 25, 33], [2, 5, 8, 20, 31, 0]], device=device)
+    start = torch.tensor([[0, 0, 0, 0, 21, 21], [0, 0, 0, 15, 15, 0]], device=device)  # packed: second samples
+    keep = torch.tensor([[True] * 6, [True] * 5 + [False]], device=device)
+    valid = torch.ones(b, t, dtype=torch.bool, device=device)
+    valid[1, 34:] = False  # padding rows of the second row
+    q = torch.randn(b, h, a_n * k_n, d, device=device, dtype=dtype)
+    kb, vb = (torch.randn(b, hk, a_n * k_n, d, device=device, dtype=dtype) for _ in range(2))
+    kc, vc = (torch.randn(b, hk, t, d, device=device, dtype=dtype) for _ in range(2))
+    return (q, kb, vb, kc, vc), (anchors, start, keep, valid), BlockBounds.of(anchors, start, keep, t, buckets=True)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_block_attention_equals_the_dense_reference(window):
+    """train.attention=flex: one FlexAttention call per layer with the step's block mask, bucketed context rows
+    included, equals the dense reference (PyTorch's unfused reference on a CPU, which has no backward: gradients are
+    compared by the CUDA test below)."""
+    import warnings
+
+    from deepspec.drafts.flex import flex_block_attention
+
+    tensors, meta, bounds = _flex_case("cpu")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "called without torch.compile": the unfused reference is the point on a CPU
+        out = flex_block_attention(*tensors, *meta, window, bounds)
+        ref = dense_block_reference(*tensors, *meta, window)
+    torch.testing.assert_close(out, ref, **TOL)
+    with pytest.raises(Exception, match="CUDA"):
+        flex_block_attention(*(x.requires_grad_() for x in tensors), *meta, window, bounds)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: FlexAttention's compiled kernel and its backward")
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_block_attention_on_cuda_equals_the_dense_reference_with_gradients(window):
+    from deepspec.drafts.flex import flex_block_attention
+
+    tensors, meta, bounds = _flex_case("cuda")
+    tensors = [x.requires_grad_() for x in tensors]
+    out = flex_block_attention(*tensors, *meta, window, bounds)
+    ref = dense_block_reference(*tensors, *meta, window)
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)  # TF32-free fp32 on both, another summation order
+    w = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * w).sum(), tensors), torch.autograd.grad((ref * w).sum(), tensors)):
+        torch.testing.assert_close(a, r, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_flex_and_sdpa_plans_train_alike(algorithm):
+    """The same packed batch and anchors through train.attention=flex and the chunked SDPA calls: the same loss (forward
+    only on a CPU)."""
+    import warnings
+
+    model, draft = _draft(algorithm)
+    batch = pack_batch(_batch(model, draft, [14, 9, 11, 6]), 26)
+    losses = []
+    for kernel in ("sdpa", "flex"):
+        batch.plan = draft.plan_batch(batch, key=3, buckets=True)
+        batch.plan.kernel = kernel
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            losses.append(draft.loss(batch)[0])
+    torch.testing.assert_close(losses[1], losses[0], **TOL)
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_bucketed_and_exact_plans_train_alike(algorithm):
     """The same anchors through bucketed and exact attention calls: the same loss, metrics and gradients (fp32)."""

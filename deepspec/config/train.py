@@ -54,6 +54,10 @@ class TrainConfig:
     # torch.compile of the draft layers' norms, projections + RoPE and MLPs; the attention stays eager
     # (deepspec/train/compile.py). `auto`: compiled on CUDA, eager on the CPU. true / false: always / never.
     compile: bool | Literal["auto"] = "auto"
+    # Block drafts' attention kernel: `sdpa` = a few chunked SDPA calls per layer (deepspec/drafts/attention.py),
+    # `flex` = one FlexAttention call per layer with a block mask built once per step (deepspec/drafts/flex.py; compiled
+    # on CUDA, an unfused reference on the CPU). EAGLE-3's chain always runs on SDPA.
+    attention: Literal["sdpa", "flex"] = "sdpa"
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
     # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).
@@ -95,6 +99,8 @@ class TrainConfig:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"train.num_workers must be >= 0 or null (auto), got {self.num_workers}.")
+        if self.attention not in ("sdpa", "flex"):
+            raise ConfigError(f"train.attention must be sdpa or flex (the block drafts' attention kernel), got {self.attention!r}.")
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError(f"train.compile must be true, false or auto (compiled on CUDA, eager on the CPU), got {self.compile!r}.")
         if self.max_steps is not None and self.max_steps < 1:

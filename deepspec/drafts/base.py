@@ -104,8 +104,9 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
     rows = scale.shape[-1] if scale.dim() == x.dim() else 1
     if scale.dim() < x.dim():
         scale = scale.unsqueeze(-1)
-    y = x.to(dtype).unflatten(-1, (rows, x.shape[-1] // rows)) * scale.to(dtype).unsqueeze(-1)
-    return y.flatten(-2)
+    # the product in fp32, rounded once into `dtype` (bf16 staging would otherwise round the scale and the product)
+    y = x.float().unflatten(-1, (rows, x.shape[-1] // rows)) * scale.float().unsqueeze(-1)
+    return y.flatten(-2).to(dtype)
 
 
 # Metrics are (numerator, denominator) pairs so ranks reduce them token-weighted:

@@ -38,6 +38,7 @@ from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, softcap
 from deepspec.drafts.losses import gemm_dtype
+from deepspec.drafts.flex import flex_block_attention
 from deepspec.drafts.plan import StepPlan, bucket, use_buckets
 from deepspec.drafts.vocab import sample_token
 
@@ -257,6 +258,8 @@ class BlockDraft(TargetBackedDraft):
         recompute = bool(self.model_cfg.activation_checkpointing)  # trading compute for memory: the chunks' masks too
 
         def attn(i, q, kb, vb, kc, vc):
+            if plan.kernel == "flex":
+                return flex_block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), plan.bounds)
             return block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, am, self.arch.window(i), plan.bounds, recompute)
 
         h = self.backbone(x, pos, self.context_kv(ctx, positions), None, attn=attn)

@@ -63,16 +63,18 @@ class StepPlan:
     """Host facts about one batch (see the module docstring). Not a dataclass on purpose: DDP's input mover walks
     dataclasses and would rebuild this one; its tensors move with `to`.
 
-    ranges: the batch's samples (row, start, end); buckets: whether attention calls pad to `bucket` lengths;
+    ranges: the batch's samples (row, start, end); buckets: whether attention calls pad to `bucket` lengths; kernel:
+    the block drafts' attention (train.attention);
     anchors / keep / ctx_start [B, A] (block drafts): the drawn anchors, as tensors for the device and `bounds`
     (deepspec.drafts.attention.BlockBounds) as their host copies with the chunk plans made from them."""
 
-    __slots__ = ("ranges", "buckets", "anchors", "keep", "ctx_start", "bounds")
+    __slots__ = ("ranges", "buckets", "anchors", "keep", "ctx_start", "bounds", "kernel")
 
     def __init__(self, ranges: list[Range], buckets: bool, anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                 ctx_start: torch.Tensor | None = None, bounds: Any = None):
+                 ctx_start: torch.Tensor | None = None, bounds: Any = None, kernel: str = "sdpa"):
         self.ranges, self.buckets = ranges, buckets
         self.anchors, self.keep, self.ctx_start, self.bounds = anchors, keep, ctx_start, bounds
+        self.kernel = kernel  # the block drafts' attention: "sdpa" (chunked calls) or "flex" (one FlexAttention call)
 
     def _tensors(self) -> dict[str, torch.Tensor | None]:
         return {"anchors": self.anchors, "keep": self.keep, "ctx_start": self.ctx_start}
@@ -82,9 +84,9 @@ class StepPlan:
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> StepPlan:
         moved = {k: None if v is None else v.to(device=device, non_blocking=non_blocking) for k, v in self._tensors().items()}
-        return StepPlan(self.ranges, self.buckets, bounds=self.bounds, **moved)
+        return StepPlan(self.ranges, self.buckets, bounds=self.bounds, kernel=self.kernel, **moved)
 
     def pin_memory(self) -> StepPlan:
         pinned = {k: None if v is None or v.device.type != "cpu" else v.pin_memory() for k, v in self._tensors().items()}
-        return StepPlan(self.ranges, self.buckets, bounds=self.bounds, **pinned)
+        return StepPlan(self.ranges, self.buckets, bounds=self.bounds, kernel=self.kernel, **pinned)
 

@@ -121,16 +121,18 @@ def build_loader(dataset: Any, collate: Callable[..., DraftBatch], schedule: Sch
     return Prefetcher(dataset, collate, schedule, depth, plan)
 
 
-def step_planner(model: Any, seed_of: Callable[[int, int], int], buckets: bool) -> Planner | None:
+def step_planner(model: Any, seed_of: Callable[[int, int], int], buckets: bool, kernel: str = "sdpa") -> Planner | None:
     """The loader's planner for `model` (None when the draft makes no plans): each micro-batch gets its step plan from
     the CPU batch, keyed by `seed_of(step, m)` — the micro-batch's seed, so its random choices (anchors) are the same on
-    any worker count and after a resume, and never touch torch's generator from the loader thread."""
+    any worker count and after a resume, and never touch torch's generator from the loader thread. kernel: the block
+    drafts' attention (train.attention)."""
     make = getattr(model, "plan_batch", None)
     if make is None:
         return None
 
     def plan(batch: DraftBatch, step: int, m: int) -> DraftBatch:
         batch.plan = make(batch, key=seed_of(step, m), buckets=buckets)
+        batch.plan.kernel = kernel
         return batch
 
     return plan

@@ -198,10 +198,11 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     processes = resolve_processes(tcfg.loader_processes, info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parts.train_data)
     depth = resolve_depth(tcfg.num_workers, info.device, parts.train_data)
     # each batch's host facts (samples, anchors, chunk plans) made by the loader: the step reads nothing back
-    planner = step_planner(model, lambda s, m: _step_seed(tcfg.seed, s, m * info.world + info.rank), use_buckets(info.device))
+    planner = step_planner(model, lambda s, m: _step_seed(tcfg.seed, s, m * info.world + info.rank), use_buckets(info.device),
+                           tcfg.attention)
     loader = build_loader(parts.train_data, collate, schedule, depth=depth, processes=processes,
                           pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0, plan=planner)
-    staged = DeviceStager(loader, info.device, torch.float32)  # features cross in the cache dtype, widened there
+    staged = DeviceStager(loader, info.device, dtype)  # features cross in the cache dtype, converted to the training dtype there
     n_micro = plan.accum_steps
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     preempt = PreemptionWatch(info.is_main)  # SIGTERM / SIGUSR1: checkpoint the step, exit 128 + signal
