@@ -5,6 +5,15 @@ session of its own), torch.compile's worker pool or a data-loader process lives 
 measurement starts. `run_group` starts the command with a new session, and on timeout sends SIGTERM to its group
 (torchrun then stops its workers itself), waits `grace_s`, then SIGKILLs its group and the group of every process
 that descended from it, found through /proc before and after the SIGTERM.
+
+As a command (benchmarks/gpu_check.sh runs each row through it), one row of a check run under a time limit:
+
+    python benchmarks/_procs.py --name ROW --limit SECONDS --jsonl ROWS.jsonl --log LOG.txt -- COMMAND ...
+
+runs COMMAND in a process group of its own, appends its stdout and stderr to LOG.txt (under a header naming the row)
+and one status line to ROWS.jsonl: {"benchmark": "gpu_check", "row": ROW, "status": "ok" | "error" | "timeout" |
+"skipped", "wall_s", "limit_s", "rc", "error"}. A limit under --min-s writes a "skipped" line without running
+anything. It always exits 0, so that a failing row never stops the rows after it.
 """
 
 from __future__ import annotations
@@ -119,3 +128,74 @@ def last_error(stderr: str, n: int = 3) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.search(r"\w+(Error|Exception)\b|error:", ln) and "elastic" not in ln and "ChildFailedError" not in ln]
     return " | ".join((errors or lines)[-n:])
+
+
+def append_line(path: Path, obj: dict) -> None:
+    """One JSON line appended to `path`, on disk (flushed, fsynced) before anything else runs."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_row(name: str, cmd: list[str], limit: float, jsonl: Path, log: Path, min_s: float = 10.0, grace_s: float = 10.0) -> dict:
+    """Run one row of a check (see the module docstring); its status line (also appended to `jsonl`)."""
+    import tempfile
+
+    status: dict = {"benchmark": "gpu_check", "row": name, "limit_s": round(limit, 1)}
+    if limit < min_s:
+        status.update(status="skipped", why=f"the check's time is spent: {max(0.0, limit):.0f} s left, a row needs at least {min_s:.0f} s")
+        append_line(jsonl, status)
+        return status
+    with tempfile.TemporaryDirectory(prefix="gpu-check-row-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        t0 = time.perf_counter()
+        try:
+            done = run_group(cmd, limit, stdout_path=out, stderr_path=err, grace_s=grace_s)
+            rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+            status.update(status="ok" if rc == 0 else "error", rc=rc)
+            if rc != 0:
+                status["error"] = last_error(stderr) or f"exit {rc}"
+        except GroupTimeout as e:
+            stdout, stderr = e.stdout, e.stderr
+            status.update(status="timeout", rc=None, error=f"{e} (the rows it finished are above)")
+        except OSError as e:  # the command does not exist / cannot start
+            stdout, stderr = "", str(e)
+            status.update(status="error", rc=None, error=f"{type(e).__name__}: {e}")
+        status["wall_s"] = round(time.perf_counter() - t0, 1)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"===== {name}: {status['status']} in {status['wall_s']} s (limit {limit:.0f} s): {' '.join(cmd)}\n")
+        f.write(stdout)
+        if stderr:
+            f.write(("" if not stdout or stdout.endswith("\n") else "\n") + "----- stderr\n" + stderr)
+        f.write("\n")
+    append_line(jsonl, status)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Run one row of a check in a process group of its own, under a time limit.")
+    p.add_argument("--name", required=True)
+    p.add_argument("--limit", type=float, required=True, help="seconds; past them the whole process tree is killed")
+    p.add_argument("--jsonl", required=True, help="append the row's status line here")
+    p.add_argument("--log", required=True, help="append the command's stdout and stderr here")
+    p.add_argument("--min-s", type=float, default=10.0, help="below this limit the row is skipped")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    a = p.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        p.error("no command given after --")
+    status = run_row(a.name, cmd, a.limit, Path(a.jsonl), Path(a.log), a.min_s)
+    print(f"[gpu_check] {a.name}: {status['status']}" + (f" in {status['wall_s']} s" if "wall_s" in status else "")
+          + (f": {status.get('error') or status.get('why')}" if status["status"] != "ok" else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

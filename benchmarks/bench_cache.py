@@ -1,6 +1,7 @@
 """Cache size and capture speed on the embedded SmolLM2 target, bf16 vs fp8. Prints one JSON object.
 
     .venv/bin/python benchmarks/bench_cache.py [--samples 24] [--max-length 512]
+    .venv/bin/python benchmarks/bench_cache.py --smoke        # 4 short samples: a check of the code path
 
 Conversations: user turns are prompts of the embedded prompt set; assistant turns are the text
 of *other* prompts (stand-ins: bytes and capture speed depend on lengths, not on who wrote the
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def write_conversations(path: Path, n: int) -> None:
+def write_conversations(path: Path, n: int, max_chars: int | None = None) -> None:
     import deepspec.data
 
     src = Path(deepspec.data.__file__).parent / "embedded" / "prompts.jsonl.gz"
@@ -34,24 +35,37 @@ def write_conversations(path: Path, n: int) -> None:
                     break
     while len(texts) < 2 * n:  # fallback: deterministic filler
         texts.append(" ".join(f"word{i % 97}" for i in range(len(texts) * 7, len(texts) * 7 + 200)))
+    if max_chars:  # --smoke: short turns, so that the assistant's tokens fit the short --max-length
+        texts = [t[:max_chars] for t in texts]
     with open(path, "w") as f:
         for i in range(n):
             conv = [{"role": "user", "content": texts[2 * i]}, {"role": "assistant", "content": texts[2 * i + 1] * 3}]
             f.write(json.dumps({"id": f"bench-{i}", "conversations": conv}) + "\n")
 
 
+def relative_error(approx, exact) -> float:
+    """||approx - exact|| / ||exact||, computed in fp32 (torch does not promote float8 against other types)."""
+    import torch
+
+    a, e = approx.float(), exact.float()
+    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--smoke", action="store_true", help="4 short samples of at most 96 tokens: a check of the code path")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.max_length = 4, 96
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
 
     from deepspec.config import config_from_dict
-    from deepspec.data.cache.reader import CacheDataset
+    from deepspec.data.cache.reader import CacheDataset, widen
     from deepspec.data.cache.writer import _load_plan_inputs, finalize, make_plan, write_shards
     from deepspec.targets import load_target
 
@@ -60,7 +74,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
-        write_conversations(root / "data" / "regenerated.jsonl", args.samples)
+        write_conversations(root / "data" / "regenerated.jsonl", args.samples, 40 if args.smoke else None)
         dirs = {}
         for dtype in ("bf16", "fp8"):
             cfg = config_from_dict({
@@ -84,9 +98,10 @@ def main() -> int:
         a, b = CacheDataset(dirs["bf16"]), CacheDataset(dirs["fp8"])
         err_t, err_f = [], []
         for i in range(len(a)):
-            x, y = a[i], b[i]
-            err_t.append(float((y["taps"] - x["taps"]).norm() / x["taps"].norm()))
-            err_f.append(float((y["final_hidden"] - x["final_hidden"]).norm() / x["final_hidden"].norm()))
+            # the reader returns features in their stored dtype (fp8 with per-row scales): widen applies the scales
+            x, y = widen(a[i]), widen(b[i])
+            err_t.append(relative_error(y["taps"], x["taps"]))
+            err_f.append(relative_error(y["final_hidden"], x["final_hidden"]))
     out["bytes_per_token"] = {"bf16": out["bf16"]["bytes_per_token"], "fp8": out["fp8"]["bytes_per_token"]}
     out["fp8_over_bf16_bytes"] = out["fp8"]["bytes_per_token"] / out["bf16"]["bytes_per_token"]
     out["tokens_per_s"] = {"bf16": out["bf16"]["tokens_per_s"], "fp8": out["fp8"]["tokens_per_s"]}

@@ -6,6 +6,11 @@ weights; one sample of T tokens per step; each length runs in a fresh child proc
 
     python benchmarks/bench_draft_memory.py --lengths 4096 16384 --ttt 7
 Prints one JSON object.
+
+`--recipe CONFIG`: one training step of a published recipe at its real size (docs/training.md, "Memory of the
+published recipes"): measured on a CUDA device (the draft built there under a torch.device context), estimated on a
+CPU. `--recipe CONFIG --smoke`: the measured path at a tiny width and length on whatever device is present (a check of
+the code path in seconds; benchmarks/gpu_check.sh --smoke runs it).
 """
 
 from __future__ import annotations
@@ -118,26 +123,17 @@ def recipe_batch(cfg, arch, n_taps: int, dtype):
 
 
 def build_recipe_draft(cfg, factor: float, device):
-    """The recipe's draft on `device` (meta: sizes only) for the target scaled by `factor`."""
+    """The recipe's draft on `device` (meta: sizes only) for the target scaled by `factor`, built under
+    `torch.device(device)` so that no full-size tensor is ever made elsewhere first."""
     import torch
 
     from deepspec.drafts.registry import get_algorithm
 
-    import deepspec.drafts.common as common
-
     tconf = scaled_target_config(cfg.target.name, factor)
-    build = common.build_draft_vocab
-    if str(device) == "meta":  # sizes only: the draft vocabulary's d2t / t2d as empty tensors of their shapes
-        def shapes_only(counts, size):
-            v = counts.numel()
-            return torch.empty(size or v, dtype=torch.int64, device="meta"), torch.empty(v, dtype=torch.bool, device="meta")
-
-        common.build_draft_vocab = shapes_only
-    try:
-        with torch.device(device):
-            draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
-    finally:
-        common.build_draft_vocab = build
+    with torch.device(device):
+        draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
+    if str(device) != "meta":
+        draft.to(device)  # anything a constructor placed on the CPU explicitly
     return draft, tconf
 
 
@@ -370,8 +366,11 @@ def recipe_main(args) -> dict:
         "hidden_size": real.arch.hidden_size, "q_width": real.arch.num_attention_heads * real.arch.head_dim,
         "state": state,
     }
+    if args.smoke:  # the measured path at a small width and length, on whatever device this machine has
+        out.update(measured_step(cfg, "cuda" if torch.cuda.is_available() and not args.cpu else "cpu", SMOKE_FACTOR))
+        return out
     if torch.cuda.is_available() and not args.cpu:
-        out.update(measured_on_gpu(cfg, args))
+        out.update(measured_step(cfg, "cuda"))
         return out
     axis_values = [None]
     if args.axis:
@@ -452,18 +451,20 @@ def recipe_main(args) -> dict:
     return out
 
 
-def measured_on_gpu(cfg, args) -> dict:
-    """On a CUDA device: the real-width draft, the recipe's optimizer, one full training step (forward, backward,
-    optimizer step) on the largest micro-batch; torch.cuda.max_memory_allocated."""
+def measured_step(cfg, device, factor: float = 1.0) -> dict:
+    """The draft (the target's width x `factor`) built on `device` under a torch.device context, the recipe's
+    optimizer, two full training steps (forward, backward, optimizer step) on the largest micro-batch. On CUDA the
+    peak is torch.cuda.max_memory_allocated; on a CPU (--smoke) the process's peak RSS."""
     import torch
 
     from deepspec.train.loop import autocast_context
     from deepspec.train.optim import build_optimizer
     from deepspec.train.precision import setup_precision
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     torch.manual_seed(0)
-    draft, _ = build_recipe_draft(cfg, 1.0, dev)
+    draft, _ = build_recipe_draft(cfg, factor, dev)
     v, h = draft.arch.vocab_size, draft.arch.hidden_size
     draft.load_target_weights(torch.randn(v, h, device=dev) * 0.02, torch.randn(v, h, device=dev) * 0.02)
     if getattr(draft, "draft_vocab_size", v) < v:
@@ -472,7 +473,8 @@ def measured_on_gpu(cfg, args) -> dict:
     draft.train()
     draft.train_metrics = True
     opt = build_optimizer(draft, cfg.train)
-    torch.cuda.reset_peak_memory_stats(dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     for _ in range(2):  # the second step holds the optimizer state
         batch = recipe_batch(cfg, draft.arch, len(draft.taps), torch.float32).to(dev)
@@ -482,12 +484,34 @@ def measured_on_gpu(cfg, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         del batch, loss
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated(dev)
-    return {"machine": torch.cuda.get_device_name(dev), "method": "measured: torch.cuda.max_memory_allocated over two full "
-            "training steps (the plain draft, no DDP buckets / FSDP: add state.how's parallel terms for a multi-GPU run)",
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(dev)
+        machine, how = torch.cuda.get_device_name(dev), "torch.cuda.max_memory_allocated"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        machine, how = f"{platform.machine()} CPU (smoke: width x{factor:g})", "the process's peak RSS"
+    return {"machine": machine, "measured_on": str(dev), "width_factor": factor,
+            "method": f"measured: {how} over two full training steps (the plain draft, no DDP buckets / FSDP: add "
+                      "state.how's parallel terms for a multi-GPU run)",
             "measured_peak_gb": round(peak / GB, 2), "estimated_peak_gb": round(peak / GB, 2), "fits_80gb_gpu": bool(peak <= 70 * GB),
             "two_steps_s": round(time.perf_counter() - t0, 1)}
+
+
+# --smoke: the recipe's own code path on a CPU in seconds: these overrides, the width x SMOKE_FACTOR
+SMOKE_FACTOR = 1 / 64
+SMOKE_OPTS = ["cache.max_length=64", "train.micro_batch_size=1", "train.pack_tokens=0"]
+
+
+def _smoke_opts(recipe: str, opts: list[str]) -> list[str]:
+    from deepspec.config import load_config
+
+    cfg = load_config(recipe, opts)
+    extra = list(SMOKE_OPTS)
+    if cfg.model.algorithm != "eagle3":
+        extra.append("model.num_anchors=4")
+    return [*opts, *extra]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -506,6 +530,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8, help="ranks an FSDP recipe shards over (one node)")
     ap.add_argument("--cpu", action="store_true", help="the CPU estimate even where CUDA is available")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--jsonl", default=None, help="also append the result to this file as one JSON line (flushed)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the measured path (the draft built under a torch.device context, the recipe's optimizer, two "
+                         f"steps) at width x{SMOKE_FACTOR:g}, {SMOKE_OPTS[0]} and 4 anchors, on CUDA if present else the "
+                         "CPU: a check of the code path in seconds")
     ap.add_argument("--compute", action="store_true",
                     help="compute every matrix product and attention call (default on CPU: their outputs come from the ops' "
                          "meta kernels, zero-filled, which allocates the same bytes in a fraction of the time)")
@@ -520,10 +549,18 @@ def main() -> None:
             prec = "bf16" if cfg.train.precision in ("bf16", "auto") else "fp32"
             print(json.dumps(measure_activations(cfg, a._factor, prec, a.compute)))
             return
+        if a.smoke:
+            a.opts = _smoke_opts(a.recipe, a.opts)
         res = recipe_main(a)
         text = json.dumps(res, indent=2)
         if a.out:
             Path(a.out).write_text(text + "\n")
+        if a.jsonl:
+            Path(a.jsonl).parent.mkdir(parents=True, exist_ok=True)
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps(res) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
         print(text)
         return
     dv = a.draft_vocab or None

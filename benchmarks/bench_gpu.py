@@ -4,6 +4,7 @@ torch.compile), and speculative decoding on CUDA, on random-weight targets built
 
 One invocation = one `--row`, each well under 10 minutes on an H100 (docs/training.md lists the commands):
 
+    python benchmarks/bench_gpu.py --row env   --out R.jsonl     # the environment line alone
     python benchmarks/bench_gpu.py --row ours  --out R.jsonl     # Qwen3-8B-shaped EAGLE-3 + DFlash at 4,096 tokens
     python benchmarks/bench_gpu.py --row peer  --out R.jsonl --peer-wheels .peer-wheels   # EAGLE-3, ours + the peer
     python benchmarks/bench_gpu.py --row long  --out R.jsonl     # one 32,768-token EAGLE-3 sample, activation checkpointing
@@ -11,18 +12,23 @@ One invocation = one `--row`, each well under 10 minutes on an H100 (docs/traini
     python benchmarks/bench_gpu.py --row recipes --out R.jsonl   # the recipe / evaluator section described below
     python benchmarks/bench_gpu.py --smoke --row ours            # any row on tiny shapes: a CPU check of its code path
 
+benchmarks/gpu_check.sh runs the rows that matter most, with the CUDA-only tests, in one command under 9 minutes.
+
 Output: JSON lines, each written (flushed, fsynced) to `--out` and stdout as soon as it exists: first the
 environment, then one line per measured row, then the invocation's summary, so a row that finished is never lost
 to a later one that hangs. Every measurement runs in a process group of its own (benchmarks/_procs.py): past its
 time the whole tree (torchrun and its workers, compile workers, loader processes) is killed and an error line says so.
 
 Rows ours / peer / long / cache (benchmarks/bench_train.py, one subprocess per row): a Qwen3-8B-shaped target
-(random embedding / norm / LM head), bf16, `--scale-seq-len` (4096) tokens per sample: our tokens/s, peak GPU memory
-(torch.cuda.max_memory_allocated), MFU (the model's bf16 FLOPs over the GPU's dense bf16 peak; fp32 FLOPs are
-reported beside it, not counted). `peer`: `speculators` 0.9.0 training the same EAGLE-3 on the same samples on the
-same GPU right after ours (its wheels, made by `bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with pip
---target into /tmp/peer-site and run with this python). `long`: one EAGLE-3 sample of `--scale-long-seq-len` (32768)
-tokens with `model.activation_checkpointing=true`, which must train without running out of memory. `cache`: the
+(random embedding / norm / LM head), bf16, `--scale-seq-len` (4096) tokens per sample, `--scale-accum` (8) micro-batches
+of one sample per optimizer step as a recipe accumulates, with the recipe's optimizer and anchors: our tokens/s, peak
+GPU memory (torch.cuda.max_memory_allocated), MFU (the model's bf16 FLOPs over the GPU's dense bf16 peak; fp32 FLOPs
+are reported beside it, not counted), and from one profiled step the GPU-busy share, kernel launches and host syncs
+per step. `peer`: `speculators` 0.9.0 training the same EAGLE-3 on the same samples on the
+same GPU right after ours, both one sample per optimizer step (the peer has no accumulation; its wheels, made by
+`bash benchmarks/peer_setup.sh --gpu-wheels`, are installed with pip --target into /tmp/peer-site and run with this
+python; its unfused loss, `--loss-implementation eager`). `long`: one EAGLE-3 sample of `--scale-long-seq-len` (32768)
+tokens per step with `model.activation_checkpointing=true`, which must train without running out of memory. `cache`: the
 samples are written as an on-disk cache (the format's own writer functions, the shape's taps, width and bf16) and
 trained through the trainer's data path: open_cache, the cache reader and the training loader, so tokens/s includes
 the reader.
@@ -160,7 +166,8 @@ def _bench_train(argv: list[str], timeout: float, jsonl: Path | None, log: Path)
 
 def scale_row(row: str, args, work: Path, jsonl: Path | None, timeout: float) -> dict:
     """One of the scale rows (ours, peer, long, cache) through bench_train.py; its summary."""
-    common = ["--shape", args.scale_shape, "--steps", str(args.scale_steps), "--workdir", str(work / row)]
+    common = ["--shape", args.scale_shape, "--steps", str(args.scale_steps), "--workdir", str(work / row),
+              "--accum", str(1 if row in ("peer", "long") else args.scale_accum)]
     if args.smoke:
         common.append("--smoke")
     seq = str(args.scale_seq_len)
@@ -178,7 +185,7 @@ def scale_row(row: str, args, work: Path, jsonl: Path | None, timeout: float) ->
             peer = ["--peer-venv", args.peer_venv]
         argv = [*common, "--seq-len", seq, "--algorithms", "eagle3", *peer, "--peer-timeout", str(int(timeout / 2))]
     elif row == "long":
-        argv = [*common, "--steps", "2", "--seq-len", str(args.scale_long_seq_len), "--algorithms", "eagle3", "--no-peer",
+        argv = [*common, "--steps", "3", "--seq-len", str(args.scale_long_seq_len), "--algorithms", "eagle3", "--no-peer",
                 "--extra-opts", "model.activation_checkpointing=true"]
     else:  # cache
         argv = [*common, "--seq-len", seq, "--algorithms", *args.scale_algorithms, "--no-peer", "--from-cache"]
@@ -204,8 +211,8 @@ def _environment() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--row", choices=["ours", "peer", "long", "cache", "recipes"], default=None,
-                   help="what this invocation measures (default: ours; recipes with --tiny)")
+    p.add_argument("--row", choices=["env", "ours", "peer", "long", "cache", "recipes"], default=None,
+                   help="what this invocation measures (default: ours; recipes with --tiny; env: the environment line only)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, short sequences, two steps: a CPU check of the row's code path")
     p.add_argument("--timeout-s", type=float, default=540.0, help="this invocation's time; past it its process tree is killed")
@@ -214,6 +221,7 @@ def main() -> int:
     p.add_argument("--scale-long-seq-len", type=int, default=32768)
     p.add_argument("--scale-algorithms", nargs="+", default=["eagle3", "dflash"])
     p.add_argument("--scale-steps", type=int, default=4)
+    p.add_argument("--scale-accum", type=int, default=8, help="micro-batches per optimizer step (rows ours, cache)")
     p.add_argument("--peer-wheels", default=None, help="a folder of the peer's wheels (benchmarks/peer_setup.sh --gpu-wheels)")
     p.add_argument("--peer-venv", default=None, help="the peer's venv (benchmarks/peer_setup.sh), instead of --peer-wheels")
     p.add_argument("--tiny", action="store_true", help="tiny targets and short runs (a CPU check of the code paths)")
@@ -238,7 +246,8 @@ def main() -> int:
         args.scale_shape = "tiny"
         args.scale_seq_len = 64 if args.scale_seq_len == 4096 else args.scale_seq_len
         args.scale_long_seq_len = 512 if args.scale_long_seq_len == 32768 else args.scale_long_seq_len
-        args.scale_steps = 2
+        args.scale_steps = 3
+        args.scale_accum = 2
     args.row = args.row or ("recipes" if args.tiny and not args.smoke else "ours")
 
     import torch
@@ -278,6 +287,8 @@ def main() -> int:
                 os.fsync(f.fileno())
 
     line({k: v for k, v in result.items() if k not in ("train", "eval", "skipped")})
+    if args.row == "env":
+        return 0
     if args.row != "recipes":
         # bench_train.py appends its rows to --out itself, one line each as it finishes; here only its summary / error
         jsonl = out

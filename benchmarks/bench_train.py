@@ -8,29 +8,43 @@
 The target is random weights built in-process from its config (`--shape`: smollm2, qwen3-1.7b, qwen3-8b); only the
 parts a draft trainer reads are written (embedding, final norm, LM head: a "verifier stub" folder), so a Qwen3-8B
 shape costs no 16 GB checkpoint. Each sample is exactly `--seq-len` tokens (random ids, the first quarter a prompt, the
-rest supervised) with random tap features; the same tensors are written for us (an in-memory feature dataset, what
-the cache reader yields) and for the peer — `speculators` 0.9.0 in its own venv (benchmarks/peer_setup.sh): an Arrow
-dataset (input_ids, loss_mask, seq_len), hidden_states/hs_{i}.safetensors ([seq, n_taps + 1, H], the last slot the
-final hidden state) and token_freq.pt. Both train EAGLE-3 with the same taps, depth (TTT 7, loss decay 0.8), draft
-vocabulary, fc/output norms, precision (bf16 where the hardware computes it, else fp32), one sample per step.
+rest supervised) with random tap features. Ours trains like its recipe (config/<algorithm>/<target>.yaml: optimizer,
+anchors, precision, layers): `--accum` (8) micro-batches of `--micro-batch` (1) samples per optimizer step, cycling
+through `--distinct-samples` (4) distinct samples held in memory (an in-memory feature dataset, what the cache reader
+yields). The same tensors are written for the peer — `speculators` 0.9.0 in its own venv (benchmarks/peer_setup.sh):
+an Arrow dataset (input_ids, loss_mask, seq_len), hidden_states/hs_{i}.safetensors ([seq, n_taps + 1, H], the last slot
+the final hidden state) and token_freq.pt. Both train EAGLE-3 with the same taps, depth (TTT 7, loss decay 0.8), draft
+vocabulary, fc/output norms and precision (bf16 where the hardware computes it, else fp32). The peer has no gradient
+accumulation (it packs sequences up to --total-seq-len and steps once per packed batch), so it runs beside ours only
+with `--accum 1 --micro-batch 1`: one sample per optimizer step for both. On a GPU it trains with its unfused loss
+(`--peer-loss eager`, its `--loss-implementation eager`): its fused Triton loss fails in backward under torch 2.11.
 
 Prints one JSON line per row as soon as the row is done (and appends it to `--jsonl PATH`, flushed), then the
 whole result as one JSON object on the last line. A row is one (algorithm, seq_len):
-  tokens_per_s       non-padding tokens per second of training, first step left out (start-up), ours
+  tokens_per_s       non-padding tokens per second of training, ours, over the timed steps: every optimizer step but the
+                     first (start-up) and the profiled one; `step_s` lists their times
   peak_memory_mb     peak allocated GPU memory (torch.cuda.max_memory_allocated) / peak RSS of the training process on CPU
-  padding_fraction   padded positions / all positions of the measured micro-batches
-  mfu                GPU only: the model's bf16 FLOPs x steps/s / the GPU's dense bf16 peak. FLOPs are counted on one
-                     forward+backward with torch's FLOP formulas, split by the dtype each matrix product runs in
-                     (`flops_per_token` = bf16, `fp32_flops_per_token` = the products autocast leaves in fp32, which the
-                     bf16 peak does not cover and MFU leaves out)
+  padding_fraction   padded positions / all positions of the timed steps' micro-batches
+  mfu                GPU only: the model's bf16 FLOPs x tokens/s / the GPU's dense bf16 peak. FLOPs are counted on one
+                     forward+backward of one sample (deepspec/train/flops.py: torch's formulas for matrix products, our
+                     own for every attention kernel op, grouped-query attention included), split by the dtype each op
+                     runs in (`flops_per_token` = bf16, `fp32_flops_per_token` = the products autocast leaves in fp32,
+                     which the bf16 peak does not cover and MFU leaves out); `attention_flops_share` of the whole
+  profile            one optimizer step (`profiled_step`, the next to last; with --steps 3 or more) under torch.profiler:
+                     its wall time, the GPU-busy time (the union of its kernels, copies and memsets) and its share of the
+                     step (also of an unprofiled step's time: `gpu_busy_share_of_timed_step`), device ops, kernel launches,
+                     host syncs, and the aten ops dispatched; on a CPU only the aten ops. `--profile-dir` also writes
+                     torch.profiler's table of the step (profile_<algorithm>_<reader>_<seq_len>.txt)
   peer_tokens_per_s  the peer on the same data, same machine, same run, first step left out (its own per-step timer);
-                     null with `peer_note` under --no-peer, without the peer venv, for algorithms it is not run for, or on failure
+                     null with `peer_note` under --no-peer, without the peer venv, for algorithms it is not run for, with
+                     --accum / --micro-batch above 1, or on failure
   reader             `memory` (samples held in memory) or `disk` (--from-cache: an on-disk cache of the shape's taps,
                      width and dtype, written with deepspec.data.cache.format and read through the trainer's own data
                      path: open_cache, the cache reader and the training loader)
 Each row trains in a fresh subprocess in a process group of its own (benchmarks/_procs.py), so peak memory is per row
-and a row that runs past --row-timeout is killed with every process it started. --smoke: the tiny shape, short
-sequences, two steps — a CPU check of every code path above.
+and a row that runs past --row-timeout is killed with every process it started. The run's final checkpoint is not
+written (it would follow the measured steps and cost seconds of copies). --smoke: the tiny shape, 64-token samples,
+3 steps of 2 micro-batches — a CPU check of every code path above.
 """
 
 from __future__ import annotations
@@ -132,17 +146,22 @@ def make_samples(n: int, seq_len: int, n_taps: int, hidden: int, vocab: int, see
 
 
 class FeatureSamples:
-    """The samples as the trainer sees a cache: len / [i] / lengths / token_counts."""
+    """The samples as the trainer sees a cache: len / [i] / lengths / token_counts. With `length` > len(samples) the
+    distinct samples repeat (sample i is samples[i % n]): a step of many micro-batches without as many distinct
+    samples in memory (throughput does not depend on the values)."""
 
-    def __init__(self, samples: list[dict], vocab: int):
+    def __init__(self, samples: list[dict], vocab: int, length: int | None = None):
         self.samples, self.vocab = samples, vocab
-        self.lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        self.length = max(length or 0, len(samples))
+        self.lengths = [int(samples[i % len(samples)]["input_ids"].shape[0]) for i in range(self.length)]
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return self.length
 
     def __getitem__(self, i: int) -> dict:
-        return self.samples[i]
+        if not 0 <= i < self.length:
+            raise IndexError(f"sample {i} of {self.length}")
+        return self.samples[i % len(self.samples)]
 
     def token_counts(self):
         import torch
@@ -237,8 +256,10 @@ def zlib_crc(data: bytes) -> int:
 
 
 def _our_row(spec: dict) -> dict:
-    """Train `spec["steps"]` steps of our trainer in this process; figures of this process. With spec["cache"] the
-    data comes through the trainer's own path (build_parts: open_cache, the reader, the loader), else from memory."""
+    """Train `spec["steps"]` optimizer steps of our trainer in this process (each `accum` micro-batches); figures of
+    this process. With spec["cache"] the data comes through the trainer's own path (build_parts: open_cache, the
+    reader, the loader), else from memory. Plan step 0 is the warm-up; plan step `profiled` (steps - 2, when there are
+    at least 3) runs under torch.profiler; tokens/s comes from the others."""
     import torch
     from transformers import AutoConfig
 
@@ -250,8 +271,11 @@ def _our_row(spec: dict) -> dict:
     from deepspec.train.loop import TrainParts
 
     cfg = load_config(spec["recipe"], spec["opts"])
+    steps = cfg.train.max_steps
+    profiled = steps - 2 if steps >= 3 and spec.get("profile", True) else None
     info = init_distributed()
-    stamps, restore = _clock_logged_steps(loop)
+    clock = StepClock(loop, profiled, info.device)
+    restore_save = _skip_checkpoints(loop)
     try:
         torch.manual_seed(cfg.train.seed)
         if spec.get("cache"):
@@ -264,44 +288,61 @@ def _our_row(spec: dict) -> dict:
             tconf = AutoConfig.from_pretrained(spec["target"])
             draft = get_algorithm(cfg.model.algorithm).from_target_config(tconf, cfg.model)
             draft.load_target_weights(*load_target_head(spec["target"], tconf))
-            data = FeatureSamples(samples, tconf.vocab_size)
+            data = FeatureSamples(samples, tconf.vocab_size, spec.get("length"))
             draft.set_token_frequencies(data.token_counts())
             parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
                                write_draft=lambda d, w: None)
             first = samples[0]
-        flops = None
+        out: dict = {}
         if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
-            flops = flops_per_token(draft, cfg, first, info.device)
+            try:
+                out.update(flops_per_token(draft, cfg, first, info.device))
+            except Exception as e:  # the row's other figures still count
+                out["flops_error"] = f"{type(e).__name__}: {e}"[-500:]
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(info.device)
         loop._train(cfg, info, parts)
-        out: dict = {}
-        logged = sorted(stamps)
-        lengths = [int(x) for x in (data.lengths() if callable(data.lengths) else data.lengths)]
-        n_steps = logged[-1] - logged[0]
-        from deepspec.train.batches import BatchPlan
-
+        if clock.completed != steps:
+            raise RuntimeError(f"the step clock saw {clock.completed} of {steps} optimizer steps: the trainer loop no longer "
+                               "calls build_scheduler(...).step() once per step, which bench_train.py times")
         t = cfg.train
-        plan = BatchPlan(len(data), t.global_batch_size, t.micro_batch_size, info.world, t.seed, t.bucketing)
-        real = padded = 0
-        for s in range(logged[0], logged[-1]):  # row `step` s is written after plan step s - 1
-            for micro in plan.micro_batches(s, 0, lengths):
-                real += sum(lengths[i] for i in micro)
-                padded += len(micro) * max(lengths[i] for i in micro)
-        elapsed = stamps[logged[-1]] - stamps[logged[0]]
-        out["tokens_per_s"] = round(real / elapsed, 1)
+        lengths = [int(x) for x in (data.lengths() if callable(data.lengths) else data.lengths)]
+        timed = [s for s in range(1, steps) if s != profiled]
+        per_step = _step_tokens(data, lengths, t, info.world, steps)
+        seconds = [clock.duration(s) for s in timed]
+        real = sum(per_step[s][0] for s in timed)
+        padded = sum(per_step[s][1] for s in timed)
+        out["tokens_per_s"] = round(real / sum(seconds), 1) if timed else None
         out["padding_fraction"] = round(1 - real / padded, 4) if padded else None
-        out["measured_steps"] = n_steps
-        if flops:
-            out["flops_per_token"] = flops["bf16"]
-            out["fp32_flops_per_token"] = flops["fp32"]
+        out["measured_steps"] = len(timed)
+        out["step_s"] = [round(x, 3) for x in seconds]
+        out["tokens_per_step"] = per_step[timed[0]][0] if timed else None
+        out["accum"], out["micro_batch"], out["global_batch"] = t.global_batch_size // (t.micro_batch_size * info.world), t.micro_batch_size, t.global_batch_size
+        out["optimizer"] = t.optimizer
+        out["attention"] = getattr(t, "attention", "sdpa") if cfg.model.algorithm != "eagle3" else "sdpa"
+        out["num_anchors"] = getattr(cfg.model, "num_anchors", None) if cfg.model.algorithm != "eagle3" else None
         if info.device.type == "cuda":
             out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
-            out["mfu"] = _mfu(flops, real / elapsed, cfg, info.device)
+            out["mfu"] = _mfu(out.get("flops_per_token"), real / sum(seconds), cfg, info.device) if timed else None
         else:
             out["peak_memory_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
             out["mfu"] = None
+        if profiled is not None:
+            out["profiled_step"] = profiled
+            out["profile"] = clock.summary
+            if clock.summary and clock.summary.get("gpu_busy_ms") is not None and seconds:
+                # the profiler slows the host: the same GPU work over an unprofiled step's time
+                mean_s = sum(seconds) / len(seconds)
+                clock.summary["gpu_busy_share_of_timed_step"] = round(min(1.0, clock.summary["gpu_busy_ms"] / 1000 / mean_s), 4)
+            if clock.profile_error:
+                out["profile_error"] = clock.profile_error
+            if spec.get("profile_path") and clock.table:
+                head = (f"# {cfg.model.algorithm}, {spec.get('seq_len')} tokens per sample, {out['accum']} micro-batches of "
+                        f"{t.micro_batch_size} per optimizer step, reader {spec.get('reader', 'memory')}, device {info.device}: "
+                        f"plan step {profiled} under torch.profiler\n# {json.dumps(clock.summary)}\n")
+                Path(spec["profile_path"]).parent.mkdir(parents=True, exist_ok=True)
+                Path(spec["profile_path"]).write_text(head + clock.table + "\n")
         rows = [json.loads(x) for x in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
         out["final_loss"] = round(rows[-1]["train/loss"], 4)
         out["trainable_params"] = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -309,13 +350,234 @@ def _our_row(spec: dict) -> dict:
         out["device"] = str(info.device)
         return out
     finally:
-        restore()
+        clock.restore()
+        restore_save()
         teardown(info)
 
 
+def _step_tokens(data, lengths: list[int], t, world: int, steps: int) -> dict[int, tuple[int, int]]:
+    """(real tokens, positions of the padded micro-batches) of each plan step, from the trainer's batch plan."""
+    from deepspec.train.batches import BatchPlan
+
+    plan = BatchPlan(len(data), t.global_batch_size, t.micro_batch_size, world, t.seed, t.bucketing)
+    out = {}
+    for s in range(steps):
+        micro = plan.micro_batches(s, 0, lengths)
+        out[s] = (sum(lengths[i] for m in micro for i in m), sum(len(m) * max(lengths[i] for i in m) for m in micro))
+    return out
+
+
+def _skip_checkpoints(loop) -> Callable[[], None]:
+    """The run's last step writes a checkpoint (weights, optimizer state: seconds of device-to-host copies for a
+    billion-parameter draft) after the measured steps; a benchmark row does not need it. Returns the restorer."""
+    from deepspec.train import checkpoint as ckpt
+
+    saved = {}
+    for owner, name, stub in ((ckpt, "save_checkpoint", lambda *a, **k: None), (loop, "full_trainable_state", lambda *a, **k: {})):
+        if hasattr(owner, name):
+            saved[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, stub)
+
+    def restore() -> None:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+
+    return restore
+
+
+# launches and host waits, by the CUDA runtime / driver call that makes them
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel",
+                "cudaGraphLaunch")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+class StepClock:
+    """Times every optimizer step of loop._train and profiles one: it wraps the scheduler that loop.build_scheduler
+    returns, whose step() the loop calls once per optimizer step (after the optimizer's own step), and stamps the
+    step's end after a device sync. `stamps[n]` = the end of the n-th step (plan step n - 1). Plan step `profiled`
+    runs under torch.profiler (CPU + CUDA activities on a GPU); the profiler's start and stop (and the reading of its
+    events) fall outside every step's time."""
+
+    def __init__(self, loop, profiled: int | None, device):
+        self.loop, self.profiled, self.device = loop, profiled, device
+        self.stamps: dict[int, float] = {}
+        self.completed = 0
+        self.summary: dict | None = None
+        self.table = ""
+        self.profile_error: str | None = None
+        self._prof = None
+        self._build = loop.build_scheduler
+        loop.build_scheduler = self._build_scheduler
+
+    def restore(self) -> None:
+        self.loop.build_scheduler = self._build
+        if self._prof is not None:  # a run that failed inside the profiled step
+            try:
+                self._prof.stop()
+            except Exception:
+                pass
+            self._prof = None
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _build_scheduler(self, *args, **kwargs):
+        sched = self._build(*args, **kwargs)
+        step = sched.step
+
+        def stepped(*a, **k):
+            r = step(*a, **k)
+            self._sync()
+            self.completed += 1
+            n = self.completed
+            now = time.perf_counter()
+            if self.profiled is not None and n == self.profiled + 1 and self._prof is not None:
+                self._finish_profile(now - self.stamps[n - 1])
+                now = time.perf_counter()  # the next step starts after the profiler's stop and the reading of its events
+            if self.profiled is not None and n == self.profiled:
+                self._start_profile()
+                now = time.perf_counter()
+            self.stamps[n] = now
+            return r
+
+        sched.step = stepped
+        return sched
+
+    def duration(self, plan_step: int) -> float:
+        return self.stamps[plan_step + 1] - self.stamps[plan_step]
+
+    def _start_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        try:
+            self._prof = profile(activities=activities)
+            self._prof.start()
+        except Exception as e:
+            self._prof, self.profile_error = None, f"{type(e).__name__}: {e}"[-500:]
+        self._sync()
+
+    def _finish_profile(self, wall_s: float) -> None:
+        prof, self._prof = self._prof, None
+        try:
+            prof.stop()
+            self.summary = summarize_profile(profile_events(prof), wall_s, traced_device=self.device.type == "cuda")
+            self.table = profile_table(prof, self.device.type == "cuda")
+        except Exception as e:
+            self.profile_error = f"{type(e).__name__}: {e}"[-500:]
+
+
+def profile_events(prof) -> list[tuple[str, bool, float, float, str | None]]:
+    """(name, on the device, start us, end us, the enclosing host op's name) of every event torch.profiler recorded,
+    less the user annotations it mirrors on the device timeline (an optimizer step's range, say: a span, not work)."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        on_device = e.device_type != DeviceType.CPU
+        if on_device and getattr(e, "is_user_annotation", False):
+            continue
+        parent = getattr(e, "cpu_parent", None)
+        out.append((e.name, on_device, float(e.time_range.start), float(e.time_range.end), parent.name if parent is not None else None))
+    return out
+
+
+def summarize_profile(events, wall_s: float, traced_device: bool) -> dict:
+    """One profiled step in figures: its wall time; the time the GPU was busy (the union of its kernels', copies' and
+    memsets' intervals: overlapping streams count once) and its share of the wall time; device operations, kernel
+    launches (the runtime / driver launch calls) and host waits on the device (synchronize calls); and the aten ops
+    dispatched (outside another aten op: what Python and autograd call, each a host round trip). Without a traced
+    device (a CPU run) the device figures are null."""
+    spans = sorted((start, end) for name, on_device, start, end, _ in events if on_device and end > start)
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    host = [(name, parent) for name, on_device, _, _, parent in events if not on_device]
+    out = {
+        "step_wall_ms": round(wall_s * 1000, 2),
+        "aten_ops": sum(1 for name, parent in host if name.startswith("aten::") and not (parent or "").startswith("aten::")),
+        "gpu_busy_ms": None, "gpu_busy_share": None, "device_ops": None, "launches": None, "host_syncs": None,
+    }
+    if traced_device:
+        out.update(gpu_busy_ms=round(busy / 1000, 2), gpu_busy_share=round(min(1.0, busy / 1e6 / wall_s), 4) if wall_s > 0 else None,
+                   device_ops=len(spans), launches=sum(1 for name, _ in host if name in LAUNCH_CALLS),
+                   host_syncs=sum(1 for name, _ in host if name in SYNC_CALLS))
+    return out
+
+
+def profile_table(prof, cuda: bool, rows: int = 60) -> str:
+    """torch.profiler's table of the profiled step, by device time on a GPU (host time on a CPU)."""
+    averages = prof.key_averages()
+    for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ()) + ("self_cpu_time_total",):
+        try:
+            return averages.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+        except Exception:
+            continue
+    return ""
+
+
+def flops_per_token(draft, cfg, sample: dict, device) -> dict[str, float]:
+    """Model FLOPs of one forward + backward of one sample, per token, split by the dtype each op runs in
+    (deepspec/train/flops.py: torch's formulas for matrix products, our own for every attention kernel op, grouped-
+    query attention included): {"flops_per_token": bf16 (fp16 counts as bf16: the same tensor-core peak),
+    "fp32_flops_per_token": the products autocast keeps in fp32 (outside the bf16 peak), "attention_flops_share"}.
+    The step counted is an unlogged one (no metrics pass)."""
+    import torch
+
+    from deepspec.train.batches import collate_features
+    from deepspec.train.flops import count_flops
+    from deepspec.train.loop import autocast_context
+
+    draft.to(device).train()
+    metrics = getattr(draft, "train_metrics", None)
+    if metrics is not None:
+        draft.train_metrics = False
+    batch = collate_features([sample]).to(device, torch.float32)
+
+    def step():
+        with autocast_context(cfg, device)():
+            loss, _ = draft.loss(batch)
+        loss.backward()
+
+    try:
+        count = count_flops(step)
+    finally:
+        draft.zero_grad(set_to_none=True)
+        if metrics is not None:
+            draft.train_metrics = metrics
+    n = int(batch.attention_mask.sum())
+    attention = sum(v for k, v in count.by_op.items() if "attention" in k)
+    out = {"flops_per_token": count.by_dtype["bf16"] / n, "fp32_flops_per_token": count.by_dtype["fp32"] / n,
+           "attention_flops_share": round(attention / count.total, 4) if count.total else None}
+    if count.uncounted:
+        out["flops_uncounted_ops"] = count.uncounted
+    return out
+
+
+def _mfu(flops_per_token: float | None, tokens_per_s: float, cfg, device) -> float | None:
+    """Model bf16 FLOPs per second over the GPU's dense bf16 peak (null for GPUs not in PEAK_FLOPS, or fp32 runs)."""
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    if peak is None or not flops_per_token or cfg.train.precision == "fp32":
+        return None
+    return round(flops_per_token * tokens_per_s / peak[0], 4)
+
+
 def _clock_logged_steps(loop) -> tuple[dict[int, float], Callable[[], None]]:
-    """Time each logged step: rank 0 writes a logged step's train_log row right after its optimizer step, so
-    wrapping the loop's row writer (after a CUDA sync) stamps the step's end. Returns (stamps, restore)."""
+    """Time each logged step (train_child): rank 0 writes a logged step's train_log row right after its optimizer
+    step, so wrapping the loop's row writer (after a CUDA sync) stamps the step's end. Returns (stamps, restore)."""
     import torch
 
     stamps: dict[int, float] = {}
@@ -333,54 +595,6 @@ def _clock_logged_steps(loop) -> tuple[dict[int, float], Callable[[], None]]:
         loop._append_jsonl = append
 
     return stamps, restore
-
-
-def flops_per_token(draft, cfg, sample: dict, device) -> dict[str, float]:
-    """Model FLOPs of one forward + backward of one sample, per token, split by the dtype each counted op runs in:
-    {"bf16": ..., "fp32": ...} (fp16 counts as bf16: the same tensor-core peak). torch's own FLOP formulas
-    (torch.utils.flop_counter.flop_registry: matrix products, attention) under a dispatch mode, which sees each op
-    after autocast has chosen its dtype, so fp32 products (kept in fp32 on purpose) are not counted against the bf16
-    peak."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry
-
-    from deepspec.train.batches import collate_features
-    from deepspec.train.loop import autocast_context
-
-    totals = {"bf16": 0.0, "fp32": 0.0}
-
-    class ByDtype(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            count = flop_registry.get(func._overloadpacket)
-            if count is not None:
-                first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
-                low = first is not None and first.dtype in (torch.bfloat16, torch.float16)
-                totals["bf16" if low else "fp32"] += float(count(*args, **kwargs, out_val=out))
-            return out
-
-    draft.to(device).train()
-    batch = collate_features([sample]).to(device, torch.float32)
-    with ByDtype():
-        with autocast_context(cfg, device)():
-            loss, _ = draft.loss(batch)
-        loss.backward()
-    draft.zero_grad(set_to_none=True)
-    n = int(batch.attention_mask.sum())
-    return {k: v / n for k, v in totals.items()}
-
-
-def _mfu(flops: dict[str, float] | None, tokens_per_s: float, cfg, device) -> float | None:
-    """Model bf16 FLOPs per second over the GPU's dense bf16 peak (null for GPUs not in PEAK_FLOPS, or fp32 runs)."""
-    import torch
-
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    if peak is None or not flops or cfg.train.precision == "fp32":
-        return None
-    return round(flops["bf16"] * tokens_per_s / peak[0], 4)
 
 
 # ----------------------------------------------------------------------------- the peer's row (its own venv)
@@ -422,8 +636,8 @@ def _peer_row(python: Path, pythonpath: str | None, target: Path, data: Path, ou
     ]
     if device == "cpu":  # flex attention has no CPU backward and the fused loss is a Triton kernel
         cmd = [str(python), str(PEER_CPU_SHIM), *args, "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
-    else:  # on a GPU its defaults: flex-attention block masks, fused loss
-        cmd = [str(python), "-m", "speculators.train", *args]
+    else:  # on a GPU: its default flex-attention block masks; its loss as spec["loss"] says (fused: its default)
+        cmd = [str(python), "-m", "speculators.train", *args, "--loss-implementation", spec.get("loss", "eager")]
     env = _peer_env(pythonpath)
     t0 = time.perf_counter()
     try:
@@ -443,7 +657,8 @@ def _peer_row(python: Path, pythonpath: str | None, target: Path, data: Path, ou
     steady = steps[1:]
     tokens = sum(tok for tok, _ in steady)
     seconds = sum(ms for _, ms in steady) / 1000
-    return {"peer_tokens_per_s": round(tokens / seconds, 1), "peer_measured_steps": len(steady), "peer_wall_s": round(wall, 1)}
+    return {"peer_tokens_per_s": round(tokens / seconds, 1), "peer_measured_steps": len(steady), "peer_wall_s": round(wall, 1),
+            "peer_loss": "eager" if device == "cpu" else spec.get("loss", "eager")}
 
 
 def _peer_steps(log: str) -> list[tuple[float, float]]:
@@ -462,8 +677,21 @@ def main() -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--seq-len", type=int, nargs="+", default=None, help="default: 2048 (64 with --smoke)")
     p.add_argument("--algorithms", nargs="+", default=["eagle3"])
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per row (the first is left out of tokens/s); "
-                   "default 4 (2 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per row: the first (start-up) and, with 3 or "
+                   "more, the next to last (profiled) are left out of tokens/s; default 4 (3 with --smoke)")
+    p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step, default 8 (2 with --smoke; a "
+                   "recipe accumulates 16 on 8 GPUs); the peer runs beside ours only with 1, as it trains one packed "
+                   "sequence per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch (more than 1: packed into rows of the "
+                   "recipe's train.pack_tokens, as the recipe does)")
+    p.add_argument("--distinct-samples", type=int, default=4, help="distinct random samples held in memory; the steps cycle "
+                   "through them (in-memory rows)")
+    p.add_argument("--profile-dir", default=None, help="write each row's profiled step as a torch.profiler table here "
+                   "(profile_<algorithm>_<reader>_<seq_len>.txt)")
+    p.add_argument("--profile-tag", default="", help="appended to the profile tables' names (e.g. flex: profile_dflash_memory_4096_flex.txt)")
+    p.add_argument("--no-profile", action="store_true", help="profile no step")
+    p.add_argument("--peer-loss", choices=["eager", "fused"], default="eager",
+                   help="the peer's --loss-implementation on a GPU (its fused Triton loss fails in backward under torch 2.11)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="both trainers: auto = bf16 on GPUs and CPUs with native bf16, else fp32")
     p.add_argument("--no-peer", action="store_true", help="do not run the peer trainer")
@@ -478,7 +706,7 @@ def main() -> int:
     p.add_argument("--from-cache", action="store_true",
                    help="train from an on-disk cache through the trainer's data path (reader + loader), not from memory")
     p.add_argument("--cache-samples", type=int, default=16, help="samples in the on-disk cache (--from-cache)")
-    p.add_argument("--smoke", action="store_true", help="the tiny shape, 2 steps, sequences of 64 tokens unless given")
+    p.add_argument("--smoke", action="store_true", help="the tiny shape, 3 steps, sequences of 64 tokens unless given")
     p.add_argument("--extra-opts", nargs="*", default=[], help="more --opts for our trainer (e.g. train.compile=true)")
     p.add_argument("--_row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_peer_data", nargs=2, metavar=("SAMPLES", "DIR"), help=argparse.SUPPRESS)
@@ -503,7 +731,17 @@ def main() -> int:
     if args.smoke:
         args.shape = "tiny"
     args.seq_len = args.seq_len or ([64] if args.smoke else [2048])
-    args.steps = args.steps or (2 if args.smoke else 4)
+    args.steps = args.steps or (3 if args.smoke else 4)
+    args.accum = args.accum or (2 if args.smoke else 8)
+    for name in ("steps", "accum", "micro_batch", "distinct_samples", "cache_samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.steps < 2:
+        p.error("--steps must be at least 2: the first step (start-up) is left out of tokens/s")
+    global_batch = args.accum * args.micro_batch
+    if args.from_cache and args.cache_samples < global_batch:
+        p.error(f"--cache-samples {args.cache_samples} is smaller than one optimizer step's samples "
+                f"(--accum x --micro-batch = {global_batch})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = args.precision == "bf16" or (args.precision == "auto" and (device == "cuda" or cpu_has_native_bf16()))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-train-"))
@@ -518,7 +756,8 @@ def main() -> int:
     result = {
         "benchmark": "train", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "device": _device_name(),
         "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32", "steps_per_row": args.steps,
-        "samples_per_step": 1, "reader": "disk" if args.from_cache else "memory",
+        "samples_per_step": global_batch, "accum": args.accum, "micro_batch": args.micro_batch,
+        "reader": "disk" if args.from_cache else "memory",
         "note": ("random-weight target from its config and random features: throughput and memory are real, losses are not "
                  "meaningful; both trainers read the same samples, EAGLE-3 with the same taps, TTT depth, draft vocabulary, "
                  "norms and precision"),
@@ -545,9 +784,8 @@ def main() -> int:
     for seq_len in args.seq_len:
         for algorithm in args.algorithms:
             taps = taps_for(algorithm, tconf.num_hidden_layers)
-            n_samples = args.steps + 1  # the peer holds one out for its validation split
-            if args.from_cache:
-                n_samples = max(n_samples, args.cache_samples)
+            needed = args.steps * global_batch
+            n_samples = args.cache_samples if args.from_cache else min(needed, args.distinct_samples)
             samples_path = work / f"samples-{algorithm}-{seq_len}.pt"
             samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len)
             torch.save(samples, samples_path)
@@ -555,22 +793,30 @@ def main() -> int:
             opts = [
                 f"output_root={work}", f"train.output_root={work / 'ckpt'}", f"exp={algorithm}-{seq_len}",
                 f"model.target_layer_ids=[{','.join(map(str, taps))}]", "model.init_copy_heads=false",
-                "model.init_from_target_layer=null", "train.global_batch_size=1", "train.micro_batch_size=1",
-                f"train.max_steps={args.steps}", f"train.save_every={10**6}", f"train.val_every={10**6}",
-                # the first and the last step are logged (the timing's two ends), as in a run logging every N steps
+                "model.init_from_target_layer=null", f"train.global_batch_size={global_batch}",
+                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", f"train.save_every={10**6}",
+                f"train.val_every={10**6}",
+                # the first and the last step are logged (a run logging every N steps), the others run without metrics
                 f"train.log_every={10**6}",
                 "train.resume=false", f"train.precision={'bf16' if bf16 else 'fp32'}", "logging.wandb=false",
-                "logging.tensorboard=false", "logging.progress=false", *args.extra_opts,
+                "logging.tensorboard=false", "logging.progress=false",
             ]
+            if args.micro_batch == 1:  # one sample is its own row
+                opts.append("train.pack_tokens=0")
             if algorithm == "eagle3":
                 opts += [f"model.draft_vocab_size={draft_vocab}", "model.ttt_length=7", "model.step_loss_decay=0.8",
                          "model.fc_norm=true", "model.norm_output=true", "model.num_draft_layers=1"]
             elif args.shape == "tiny":  # the recipe's mask token is a Qwen3 id outside the tiny vocabulary
                 opts += [f"model.mask_token_id={tconf.vocab_size - 1}", "model.num_anchors=8"]
+            opts += args.extra_opts
             row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "reader": result["reader"], "tokens_per_s": None,
                    "peak_memory_mb": None, "padding_fraction": None, "mfu": None, "peer_tokens_per_s": None}
             spec = {"recipe": recipe, "opts": opts, "samples": str(samples_path), "target": str(target), "shape": args.shape,
-                    "count_flops": args.smoke}
+                    "count_flops": args.smoke, "length": needed, "seq_len": seq_len, "reader": result["reader"],
+                    "profile": not args.no_profile}
+            if args.profile_dir:
+                tag = f"_{args.profile_tag}" if args.profile_tag else ""
+                spec["profile_path"] = str(Path(args.profile_dir) / f"profile_{algorithm}_{result['reader']}_{seq_len}{tag}.txt")
             try:
                 if args.from_cache:
                     from deepspec.config import load_config
@@ -592,15 +838,21 @@ def main() -> int:
                 row["peer_note"] = "the peer is run for EAGLE-3 only"
             elif peer_why:
                 row["peer_note"] = peer_why
+            elif global_batch != 1:
+                row["peer_note"] = ("the peer trains one packed sequence per optimizer step (speculators has no gradient "
+                                    "accumulation): it runs beside ours with --accum 1 --micro-batch 1")
             else:
                 try:
                     data = work / f"peer-data-{algorithm}-{seq_len}"
-                    made = run_group([str(peer_python), __file__, "--_peer_data", str(samples_path), str(data)], 1800,
+                    peer_samples = work / f"peer-samples-{algorithm}-{seq_len}.pt"
+                    # one sample per step, and one more for its validation split
+                    torch.save([samples[i % len(samples)] for i in range(args.steps + 1)], peer_samples)
+                    made = run_group([str(peer_python), __file__, "--_peer_data", str(peer_samples), str(data)], 1800,
                                      env=_peer_env(args.peer_pythonpath))
                     if made.returncode != 0:
                         raise RuntimeError("writing the peer's data: " + (made.stderr.strip().splitlines() or ["?"])[-1])
                     peer_spec = {"taps": taps, "draft_vocab": draft_vocab, "ttt": 7, "decay": 0.8, "seq_len": seq_len,
-                                 "steps": args.steps, "bf16": bf16}
+                                 "steps": args.steps, "bf16": bf16, "loss": args.peer_loss}
                     row.update(_peer_row(peer_python, args.peer_pythonpath, target, data, work / f"peer-out-{algorithm}-{seq_len}", peer_spec, device,
                                          args.peer_timeout))
                     if row.get("tokens_per_s") and row.get("peer_tokens_per_s"):

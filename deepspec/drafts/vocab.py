@@ -17,20 +17,29 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int | None) -> tup
 
     Keeps the `draft_vocab_size` most frequent ids; ties go to the lower id so the result is
     deterministic. `None` or a size >= V keeps the full vocabulary (identity mapping).
+
+    Computed on the CPU whatever `counts`' device and whatever `torch.device(...)` context is active (a draft
+    built under `with torch.device("cuda"):` or `"meta"`); the results land on the default device, as the tensors
+    a factory call made there would (the CPU outside any context). Meta counts carry no values: they count as zeros
+    (shapes only).
     """
-    counts = counts.detach().to("cpu", torch.float64).flatten()
+    cpu = torch.device("cpu")
+    if counts.device.type == "meta":
+        counts = torch.zeros(counts.shape, dtype=torch.float64, device=cpu)
+    counts = counts.detach().to(cpu, torch.float64).flatten()
     vocab = counts.numel()
+    out = torch.get_default_device()
     if draft_vocab_size is None or draft_vocab_size >= vocab:
-        return torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool)
+        return torch.zeros(vocab, dtype=torch.int64, device=out), torch.ones(vocab, dtype=torch.bool, device=out)
     if draft_vocab_size < 1:
         raise ConfigError(f"model.draft_vocab_size={draft_vocab_size} must be >= 1 (or null for the full vocabulary).")
     # stable sort on -count keeps ascending ids among equal counts
     order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
     ids = torch.sort(order).values
-    d2t = ids - torch.arange(draft_vocab_size, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
+    d2t = ids - torch.arange(draft_vocab_size, dtype=torch.int64, device=cpu)
+    t2d = torch.zeros(vocab, dtype=torch.bool, device=cpu)
     t2d[ids] = True
-    return d2t, t2d
+    return d2t.to(out), t2d.to(out)
 
 
 def draft_ids_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:

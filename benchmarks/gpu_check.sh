@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Everything a GPU machine should measure, in one command, under 9 minutes:
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s S]
+#
+# It runs the project from this source tree (PYTHONPATH; nothing is installed but the peer's wheels, when given) with
+# the machine's own python (PYTHON, default python3: torch and transformers must be there). In priority order, each row
+# under its own time limit and all of them under the budget (530 s; a row that would start past it writes a "skipped"
+# line):
+#   env        the environment: torch, CUDA, device, NCCL
+#   tests      the CUDA-only tests (attention kernels, online cache, loader stager, precision); --smoke collects them
+#   ours       Qwen3-8B-shaped EAGLE-3, DFlash and DSpark at 4,096 tokens, 8 micro-batches per optimizer step, from memory
+#   cache      DFlash the same way, read from an on-disk cache through the trainer's reader and loader
+#   peer       EAGLE-3, ours and speculators 0.9.0 on the same samples, one sample per step (needs --peer-wheels DIR, made
+#              by `bash benchmarks/peer_setup.sh --gpu-wheels`, or a .peer-venv; else skipped)
+#   v4-memory  one training step of config/dflash/deepseek-v4-flash.yaml at its real size: its measured peak memory
+#   long       one 32,768-token EAGLE-3 sample per step with activation checkpointing
+#   flex       DFlash as in `ours` with train.attention=flex (one FlexAttention call per layer; CUDA only: --smoke skips it)
+# Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
+# and a row that fails or hangs writes an error line while the next row runs. OUT_DIR receives, as each row finishes:
+#   rows.jsonl   the environment, every measured row, one status line per row (benchmark "gpu_check")
+#   log.txt      every row's stdout and stderr
+#   tests.txt    the tests' output
+#   profile_<algorithm>_<reader>_<seq_len>[_flex].txt   torch.profiler's table of each row's profiled step (5 files)
+# --smoke runs the same rows on the CPU on a tiny shape (tests/test_gpu_check.py runs it).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT="$1"; shift
+case "$OUT" in -*) usage ;; esac
+SMOKE=0; WHEELS=""; BUDGET=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) SMOKE=1 ;;
+    --peer-wheels) [ $# -ge 2 ] || usage; WHEELS="$2"; shift ;;
+    --budget-s) [ $# -ge 2 ] || usage; BUDGET="$2"; shift ;;
+    *) echo "gpu_check.sh: unknown option $1" >&2; usage ;;
+  esac
+  shift
+done
+if [ -n "$WHEELS" ] && ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  echo "gpu_check.sh: --peer-wheels $WHEELS holds no .whl files (make them with: bash benchmarks/peer_setup.sh --gpu-wheels)" >&2
+  exit 2
+fi
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
+  echo "gpu_check.sh: $PY cannot import torch and transformers; set PYTHON to an interpreter that can" >&2
+  exit 2
+fi
+
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$ROOT"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-XXXXXX")"
+[ "${GPU_CHECK_KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled \
+  DEEPSPEC_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+ROWS="$OUT/rows.jsonl"; LOG="$OUT/log.txt"
+BENCH="$ROOT/benchmarks"
+
+if [ "$SMOKE" = 1 ]; then
+  # generous limits: a busy 2-core CI machine takes minutes for what an idle GPU machine's CPUs do in one or two
+  BUDGET="${BUDGET:-600}"
+  # the tiny shape, 64-token samples (512 for the long row), 2 micro-batches per step
+  TRAIN=(--smoke --accum 2); LONG=(--smoke --seq-len 512); ROW_S=150
+  TESTS=(--collect-only -q)  # on a CPU the CUDA tests would only skip: collect them (the selection must exist)
+  V4=(--smoke)
+  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0
+else
+  BUDGET="${BUDGET:-530}"
+  TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 4); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=120
+  TESTS=(-q)
+  V4=()
+  L_ENV=60; L_TESTS=90; L_OURS=330; L_CACHE=130; L_PEER=150; L_V4=120; L_LONG=120; L_FLEX=130
+fi
+START=$SECONDS
+
+# row NAME LIMIT [--log FILE] -- COMMAND...: COMMAND under min(LIMIT, what is left of the budget)
+row() {
+  local name="$1" limit="$2"; shift 2
+  local log="$LOG"
+  if [ "$1" = --log ]; then log="$2"; shift 2; fi
+  local left=$(( BUDGET - (SECONDS - START) ))
+  [ "$left" -lt "$limit" ] && limit="$left"
+  "$PY" "$BENCH/_procs.py" --name "$name" --limit "$limit" --jsonl "$ROWS" --log "$log" "$@"
+}
+skip() {  # skip NAME WHY
+  "$PY" - "$ROWS" "$1" "$2" <<'EOF'
+import json, sys
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"benchmark": "gpu_check", "row": sys.argv[2], "status": "skipped", "why": sys.argv[3]}) + "\n")
+EOF
+  echo "[gpu_check] $1: skipped: $2"
+}
+
+echo "[gpu_check] $( [ "$SMOKE" = 1 ] && echo "smoke, " )budget ${BUDGET} s, results in $OUT"
+row env "$L_ENV" -- "$PY" "$BENCH/bench_gpu.py" --row env --out "$ROWS"
+
+row tests "$L_TESTS" --log "$OUT/tests.txt" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
+  "$ROOT/tests/test_attention_kernels.py" "$ROOT/tests/test_cache_online.py" "$ROOT/tests/test_loader.py" \
+  "$ROOT/tests/test_precision.py" -k "cuda or fused or online or stager"
+
+row ours "$L_OURS" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms eagle3 dflash dspark --no-peer \
+  --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --jsonl "$ROWS"
+
+row cache "$L_CACHE" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash --no-peer --from-cache \
+  --cache-samples 8 --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --jsonl "$ROWS"
+
+PEER=()
+if [ -n "$WHEELS" ]; then
+  row peer-install 60 -- "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/peer-site" "$WHEELS"/*.whl
+  PEER=(--peer-python "$PY" --peer-pythonpath "$WORK/peer-site")
+elif [ -x "$ROOT/.peer-venv/bin/python" ]; then
+  PEER=(--peer-venv "$ROOT/.peer-venv")
+fi
+if [ ${#PEER[@]} -gt 0 ]; then
+  row peer "$L_PEER" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --accum 1 --algorithms eagle3 "${PEER[@]}" \
+    --peer-timeout $(( L_PEER / 2 )) --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+else
+  skip peer "no peer: pass --peer-wheels DIR (bash benchmarks/peer_setup.sh --gpu-wheels) or create .peer-venv (bash benchmarks/peer_setup.sh)"
+fi
+
+row v4-memory "$L_V4" -- "$PY" "$BENCH/bench_draft_memory.py" --recipe "$ROOT/config/dflash/deepseek-v4-flash.yaml" "${V4[@]}" \
+  --jsonl "$ROWS"
+
+row long "$L_LONG" -- "$PY" "$BENCH/bench_train.py" "${LONG[@]}" --accum 1 --steps 3 --algorithms eagle3 --no-peer \
+  --extra-opts model.activation_checkpointing=true --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+
+if [ "$SMOKE" = 1 ]; then
+  skip flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
+else
+  row flex "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash --no-peer \
+    --extra-opts train.attention=flex --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" \
+    --profile-tag flex --jsonl "$ROWS"
+fi
+
+"$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+status = {r["row"]: r["status"] for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
+errors = [r for r in rows if r.get("error")]
+summary = {"benchmark": "gpu_check", "row": "summary", "wall_s": float(sys.argv[2]), "status": status,
+           "lines_with_errors": len(errors)}
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps(summary) + "\n")
+print("[gpu_check] " + ", ".join(f"{k} {v}" for k, v in status.items()) + f"; {sys.argv[2]} s")
+EOF
+exit 0

@@ -1,0 +1,308 @@
+"""What the GPU check measures, checked on a CPU: the FLOP counter on every attention kernel op (grouped-query
+attention included, on meta tensors, so the CUDA kernels' ops are counted without a GPU) and on whole drafts; the
+profile summary a row reports; building drafts under any torch.device context; bench_cache's fp8 error; and
+`benchmarks/gpu_check.sh --smoke` end to end, with the files it writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepspec.train.flops import FlopCounter, attention_flops, count_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+aten = torch.ops.aten
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+# ----------------------------------------------------------------------------- the attention formula
+
+
+def test_attention_formula_by_hand_and_equal_to_torch_without_gqa():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    # a lone GQA call: 4 * B * Hq * Lq * Lk * D forward, 10 * B * Hq * Lq * Lk * D backward (per query head)
+    assert attention_flops((2, 8, 32, 16), (2, 2, 48, 16), (2, 2, 48, 16)) == 4 * 2 * 8 * 32 * 48 * 16
+    assert attention_flops((2, 8, 32, 16), (2, 2, 48, 16), (2, 2, 48, 16), backward=True) == 10 * 2 * 8 * 32 * 48 * 16
+    for q, k, v in [((1, 4, 7, 8), (1, 4, 9, 8), (1, 4, 9, 8)), ((3, 2, 5, 16), (3, 2, 5, 16), (3, 2, 5, 32))]:
+        assert attention_flops(q, k, v) == sdpa_flop_count(q, k, v)
+        assert attention_flops(q, k, v, backward=True) == sdpa_backward_flop_count(q[:3] + v[3:], q, k, v)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention_flops((1, 6, 4, 8), (1, 4, 4, 8), (1, 4, 4, 8))
+    with pytest.raises(ValueError, match="do not fit"):
+        attention_flops((1, 4, 4, 8), (1, 2, 4, 8), (1, 2, 5, 8))
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+
+
+def _kernel_calls(q, k, v, g):
+    """Every SDPA kernel op and its backward, as CUDA / CPU dispatch them, called directly (meta tensors: shapes only)."""
+    lq, lk = q.shape[2], k.shape[2]
+
+    def flash():
+        o = aten._scaled_dot_product_flash_attention(q, k, v)
+        aten._scaled_dot_product_flash_attention_backward(g, q, k, v, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, False, o[6], o[7])
+
+    def efficient():
+        o = aten._scaled_dot_product_efficient_attention(q, k, v, None, True)
+        aten._scaled_dot_product_efficient_attention_backward(g, q, k, v, None, o[0], o[1], o[2], o[3], 0.0, [True] * 3 + [False])
+
+    def cudnn():
+        o = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)
+        aten._scaled_dot_product_cudnn_attention_backward(g, q, k, v, o[0], o[1], o[6], o[7], None, o[2], o[3], o[4], o[5], 0.0, False)
+
+    def cpu_flash():
+        o = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o[0], o[1], 0.0, False)
+
+    def low_flash():  # the flash kernel's own op: [B, L, H, D]
+        qt, kt, vt, gt = (x.transpose(1, 2) for x in (q, k, v, g))
+        o = aten._flash_attention_forward(qt, kt, vt, None, None, lq, lk, 0.0, False, False)
+        aten._flash_attention_backward(gt, qt, kt, vt, o[0], o[1], None, None, lq, lk, 0.0, False, o[2], o[3])
+
+    def low_efficient():
+        qt, kt, vt, gt = (x.transpose(1, 2) for x in (q, k, v, g))
+        o = aten._efficient_attention_forward(qt, kt, vt, None, None, None, lq, lk, 0.0, 0, True)
+        aten._efficient_attention_backward(gt, qt, kt, vt, None, o[0], None, None, lq, lk, o[1], 0.0, o[2], o[3], 0, False)
+
+    return {"flash": flash, "efficient": efficient, "cudnn": cudnn, "cpu_flash": cpu_flash, "low_flash": low_flash,
+            "low_efficient": low_efficient}
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_every_sdpa_kernel_op_and_its_backward_is_counted(heads):
+    """Each kernel op (CUDA's flash / efficient / cuDNN, the CPU flash kernel, the low-level flash / efficient ops)
+    counts forward + backward = 3.5x the forward formula, GQA included; where torch's registry counts the op (the
+    SDPA-level CUDA ops without GQA on torch <= 2.11, with it on later ones) the totals are equal."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hq, hkv = heads
+    q, k, v, g = _meta(2, hq, 32, 16), _meta(2, hkv, 48, 16), _meta(2, hkv, 48, 16), _meta(2, hq, 32, 16)
+    fwd = attention_flops(q.shape, k.shape, v.shape)
+    assert fwd == 4 * 2 * hq * 32 * 48 * 16
+    for name, call in _kernel_calls(q, k, v, g).items():
+        with FlopCounter() as c:
+            call()
+        assert not c.count.uncounted, name
+        assert c.count.total == 3.5 * fwd, name
+        assert c.count.by_dtype["bf16"] == c.count.total, name  # bf16 inputs: counted against the bf16 peak
+        if name in ("flash", "efficient", "cudnn"):
+            try:
+                with FlopCounterMode(display=False) as theirs:
+                    call()
+            except AssertionError:  # torch's formula refuses GQA (torch <= 2.11): the case this counter exists for
+                assert hq != hkv
+                continue
+            assert theirs.get_total_flops() == c.count.total, name
+
+
+class _SdpaSpy:
+    """Records the shapes of every F.scaled_dot_product_attention call and the CPU kernel chosen for it."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        calls = self.calls = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is F.scaled_dot_product_attention:
+                    q, k, v = args[:3]
+                    choice = int(torch._fused_sdp_choice(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
+                                                         kwargs.get("is_causal", False), scale=kwargs.get("scale"),
+                                                         enable_gqa=kwargs.get("enable_gqa", False)))
+                    calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), choice))
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+
+def _tiny_draft_step(algorithm: str, **fields):
+    from deepspec.config.model import ModelConfig
+    from deepspec.drafts import DraftBatch, get_algorithm
+    from deepspec.targets import tiny_config
+
+    torch.manual_seed(0)
+    tc = tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=2)
+    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], **fields)
+    draft = get_algorithm(algorithm).from_target_config(tc, cfg)
+    v, h = tc.vocab_size, tc.hidden_size
+    draft.load_target_weights(torch.randn(v, h) * 0.02, torch.randn(v, h) * 0.02)
+    if algorithm == "eagle3":
+        draft.set_token_frequencies(torch.arange(v).float())
+    draft.train()
+    t = 48
+    ids = torch.randint(0, v, (1, t))
+    lm = torch.ones(1, t, dtype=torch.bool)
+    lm[:, :8] = False
+    batch = DraftBatch(ids, lm, torch.ones(1, t, dtype=torch.bool), torch.randn(1, t, 3, h), torch.randn(1, t, h))
+
+    def step():
+        loss, _ = draft.loss(batch)
+        loss.backward()
+
+    return draft, step
+
+
+@pytest.mark.parametrize("algorithm,fields", [
+    ("eagle3", dict(ttt_length=3, draft_vocab_size=128)),
+    ("dflash", dict(block_size=4, num_anchors=6, mask_token_id=300, num_draft_layers=2)),
+], ids=["eagle3", "dflash"])
+def test_gqa_draft_step_counts_every_attention_call(algorithm, fields, one_torch_thread):
+    """A GQA draft (4 query heads, 2 key / value heads): a positive count whose attention part equals the formula
+    summed over the SDPA calls the step made (each forward and backward), and whose other ops equal torch's own
+    FlopCounterMode (which leaves CPU attention uncounted). (Under torch <= 2.11 this is the count that raised in
+    torch's registry on CUDA for EAGLE-3.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    draft, step = _tiny_draft_step(algorithm, **fields)
+    spy = _SdpaSpy()
+    with spy.mode:
+        count = count_flops(step)
+    draft.zero_grad(set_to_none=True)
+    assert count.total > 0 and not count.uncounted
+    assert spy.calls and all(c[3] == 1 for c in spy.calls)  # CPU flash kernel: counted as attention, not as bmm
+    assert draft.arch.num_key_value_heads < draft.arch.num_attention_heads
+    if algorithm == "eagle3":  # its calls pass the grouped heads as they are (DFlash folds them into the query axis)
+        assert any(q[1] > k[1] for q, k, _, _ in spy.calls)
+    expected = sum(3.5 * attention_flops(q, k, v) for q, k, v, _ in spy.calls)
+    attention = sum(n for op, n in count.by_op.items() if "attention" in op)
+    assert attention == expected
+    with FlopCounterMode(display=False) as theirs:
+        step()
+    assert theirs.get_total_flops() == count.total - attention
+
+
+
+
+# ----------------------------------------------------------------------------- a row's profiled step
+
+
+def test_profile_summary_counts_busy_time_once_and_names_launches_and_syncs():
+    bench = _bench("bench_train")
+    events = [  # (name, on the device, start us, end us, enclosing host op)
+        ("aten::linear", False, 0, 300, None), ("aten::addmm", False, 10, 290, "aten::linear"),
+        ("cudaLaunchKernel", False, 20, 30, "aten::addmm"), ("cuLaunchKernelEx", False, 40, 45, "aten::addmm"),
+        ("MmBackward0", False, 400, 500, None), ("aten::mm", False, 410, 490, "MmBackward0"),
+        ("cudaStreamSynchronize", False, 600, 700, None),
+        ("gemm_kernel", True, 100, 300, None), ("copy_kernel", True, 250, 400, None),  # overlapping streams: 300 us
+        ("Memcpy DtoH", True, 800, 900, None),
+    ]
+    s = bench.summarize_profile(events, wall_s=0.001, traced_device=True)
+    assert s["gpu_busy_ms"] == 0.4 and s["gpu_busy_share"] == 0.4 and s["step_wall_ms"] == 1.0
+    assert s["launches"] == 2 and s["host_syncs"] == 1 and s["device_ops"] == 3
+    assert s["aten_ops"] == 2  # aten::linear and aten::mm (under autograd's node); aten::addmm is inside aten::linear
+    cpu = bench.summarize_profile(events, wall_s=0.001, traced_device=False)
+    assert cpu["aten_ops"] == 2 and cpu["gpu_busy_share"] is None and cpu["launches"] is None
+
+
+def test_profile_events_leave_out_annotations_on_the_device_timeline():
+    """torch.profiler mirrors a user annotation (an optimizer step's range) on the device timeline: a span with the
+    gaps between its kernels, not work; counted, it would fill the idle time the summary exists to show."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = _bench("bench_train")
+
+    def event(name, device, start, end, annotation=False, parent=None):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, cpu_parent=parent,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    step = event("Optimizer.step#Muon.step", DeviceType.CPU, 0, 1000)
+    prof = SimpleNamespace(events=lambda: [
+        step, event("aten::mm", DeviceType.CPU, 10, 20, parent=step),
+        event("Optimizer.step#Muon.step", DeviceType.CUDA, 0, 1000, annotation=True),
+        event("gemm", DeviceType.CUDA, 100, 200), event("gemm", DeviceType.CUDA, 800, 900),
+    ])
+    events = bench.profile_events(prof)
+    assert [(n, d) for n, d, *_ in events] == [("Optimizer.step#Muon.step", False), ("aten::mm", False), ("gemm", True), ("gemm", True)]
+    assert events[1][4] == "Optimizer.step#Muon.step"
+    assert bench.summarize_profile(events, wall_s=0.001, traced_device=True)["gpu_busy_ms"] == 0.2
+
+
+def test_check_rows_report_failures_and_timeouts_and_go_on(tmp_path):
+    procs = _bench("_procs")
+    rows, log = tmp_path / "rows.jsonl", tmp_path / "log.txt"
+    py = sys.executable
+    ok = procs.run_row("fine", [py, "-c", "print('hello')"], 30, rows, log)
+    bad = procs.run_row("broken", [py, "-c", "raise ValueError('no such shape')"], 30, rows, log)
+    slow = procs.run_row("hangs", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2, rows, log, min_s=1, grace_s=1)
+    late = procs.run_row("late", [py, "-c", "print(1)"], 5, rows, log)  # under min_s: not run
+    assert ok["status"] == "ok" and bad["status"] == "error" and slow["status"] == "timeout" and late["status"] == "skipped"
+    assert "ValueError: no such shape" in bad["error"] and slow["wall_s"] < 20
+    lines = [json.loads(x) for x in rows.read_text().splitlines()]
+    assert [x["row"] for x in lines] == ["fine", "broken", "hangs", "late"]
+    text = log.read_text()
+    assert "hello" in text and "started" in text and "late" not in text
+
+
+# ----------------------------------------------------------------------------- bench_cache's fp8 error
+
+
+def test_bench_cache_error_widens_float8_before_comparing():
+    bench = _bench("bench_cache")
+    exact = torch.randn(16, 3, 8).to(torch.bfloat16)
+    approx = exact.to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError):  # what the benchmark did: torch does not promote float8
+        (approx - exact).norm()
+    err = bench.relative_error(approx, exact)
+    assert 0 < err < 0.1
+    assert bench.relative_error(exact, exact) == 0.0
+
+
+# ----------------------------------------------------------------------------- the whole check, on a CPU
+
+
+def test_gpu_check_smoke_writes_every_row(tmp_path):
+    """`bash benchmarks/gpu_check.sh OUT --smoke`: every row in order with its status line, the measured rows as
+    JSON lines (tokens/s, FLOPs, the profiled step), the profile tables, the recipe's measured memory, at most 8
+    files."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DEEPSPEC_NO_PROGRESS="1")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--smoke"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"rows.jsonl", "log.txt", "tests.txt"} <= set(files), files
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
+    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "summary"]
+    assert rows[-1]["row"] == "summary"
+    for name in ("env", "tests", "ours", "cache", "v4-memory", "long"):
+        assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
+    assert status["peer"]["status"] in ("ok", "skipped") and status["flex"]["status"] == "skipped"
+    assert rows[0]["row"] == "env" and "torch" in rows[0]
+    assert "collected" in (out / "tests.txt").read_text()
+    by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in rows if r.get("benchmark") == "train"}
+    for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
+        r = by[key]
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["accum"] == 2 and r["measured_steps"] == 1
+        assert r["profiled_step"] == 1 and r["profile"]["aten_ops"] > 0 and r["profile"]["step_wall_ms"] > 0
+        assert f"profile_{key[0]}_{key[1]}_{key[2]}.txt" in files
+    long = by[("eagle3", "memory", 512)]
+    assert long["tokens_per_s"] > 0 and long["activation_checkpointing"] and "profile" not in long
+    memory = next(r for r in rows if r.get("benchmark") == "draft_memory")
+    assert memory["measured_on"] == "cpu" and memory["measured_peak_gb"] > 0 and memory["state"]["trainable_params"] > 1e9
