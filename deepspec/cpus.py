@@ -23,7 +23,15 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     Elsewhere (e.g. AVX2-only x86, most ARM servers) torch and vLLM emulate bf16 and run it several
     times slower than fp32 (vLLM on a 2-core AVX2 EPYC: 41 vs 199 tokens/s), so `bf16_if_native`
     dtypes fall back to fp32 there. Reads /proc/cpuinfo; False where it cannot tell.
+
+    The environment variable DEEPSPEC_CPU_BF16 = native | emulated overrides the answer, so one machine can run
+    what depends on it both ways (the test suite on either CPU kind, a benchmark of fp32 against bf16).
     """
+    forced = os.environ.get("DEEPSPEC_CPU_BF16", "").strip().lower()
+    if forced:
+        if forced not in ("native", "emulated"):
+            raise ValueError(f"DEEPSPEC_CPU_BF16={forced!r} is not understood; set it to native or emulated, or unset it to read the CPU's flags.")
+        return forced == "native"
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:

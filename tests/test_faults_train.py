@@ -50,6 +50,7 @@ model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: f
 train:
   output_root: {root}/ckpt
   optimizer: adamw
+  precision: fp32       # the equalities below are fp32-exact: pinned, not the quickstart's bf16_if_native (bf16 on some CPUs)
   global_batch_size: 4
   micro_batch_size: 1
   max_steps: 40

@@ -162,6 +162,13 @@ def test_bf16_if_native_follows_the_cpu(tmp_path, monkeypatch):
     sapphire.write_text("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
     assert [cpus.cpu_has_native_bf16(str(p)) for p in (avx2, zen4, sapphire)] == [False, True, True]
     assert cpus.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    for forced, want in (("native", True), ("emulated", False)):  # the switch that lets one machine run both kinds
+        monkeypatch.setenv("DEEPSPEC_CPU_BF16", forced)
+        assert [cpus.cpu_has_native_bf16(str(p)) for p in (avx2, zen4)] == [want, want]
+    monkeypatch.setenv("DEEPSPEC_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="native or emulated"):
+        cpus.cpu_has_native_bf16(str(avx2))
+    monkeypatch.delenv("DEEPSPEC_CPU_BF16")
 
     real = cpus.cpu_has_native_bf16
     monkeypatch.setattr("deepspec.targets.load.default_device", lambda: "cpu")  # what VLLMServer resolves against

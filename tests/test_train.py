@@ -54,6 +54,7 @@ model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: f
 train:
   output_root: {root}/ckpt
   optimizer: adamw       # the quickstart's Muon needs whole matrices; these tests cover FSDP too
+  precision: fp32       # the equalities below are fp32-exact: pinned, not the quickstart's bf16_if_native (bf16 on some CPUs)
   global_batch_size: 8
   micro_batch_size: 1   # one sample per micro-batch: the same micro-batches on 1 or 2 workers (exact equality below)
   max_steps: {STEPS}
@@ -564,6 +565,25 @@ def test_fsdp_trains_drafts_whose_layers_are_driven_by_methods(recipe, algorithm
     cfg = load_config(recipe, [f"model.algorithm={algorithm}", *extra])
     draft = get_algorithm(algorithm).from_target_config(tiny_config("llama"), cfg.model)
     assert any(isinstance(u, MLP) for u in fsdp_units(draft)) or algorithm == "eagle3" and not draft.layers
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_the_plain_draft_in_bf16(recipe):
+    """The tests above pin fp32, where FSDP2 and the plain draft agree to 1e-5. In bf16 (every GPU, and CPUs whose
+    bf16_if_native resolves to bf16) they round in different places — FSDP2 casts every parameter to bf16 once, autocast
+    only the matrix products' inputs — so they agree to what the arithmetic allows: the first step's loss (same weights)
+    to 1% (a bf16 rounding is 2^-9 relative, a few dozen in sequence), and the weights after AdamW steps to 2 x lr per
+    step (an AdamW update moves a weight by at most ~lr, so a gradient whose sign rounding flips moves it 2 x lr)."""
+    from deepspec.train import train
+
+    steps, lr = 2, _cfg(recipe).train.lr
+    opts = ("exp=bf16", "model.num_draft_layers=2", f"train.max_steps={steps}", "train.precision=bf16", "logging.wandb=false",
+            "logging.tensorboard=false")
+    with _on_cpu():
+        plain = train(_cfg(recipe, *opts))
+        sharded = train(_cfg(recipe, *opts, "train.parallel=fsdp", "run.name=bf16-sharded"))
+    assert _losses(sharded.parent)[1] == pytest.approx(_losses(plain.parent)[1], rel=1e-2)
+    assert _max_diff(_weights(plain), _weights(sharded)) <= 2 * lr * steps
 
 
 def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):
