@@ -3,7 +3,6 @@ batch, bucketed attention shapes are few and give the exact results, and the loa
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -52,15 +51,6 @@ def _batch(model, draft, lengths: list[int], seed: int = 1) -> DraftBatch:
     return DraftBatch(ids, lm, am, taps, final)
 
 
-@contextlib.contextmanager
-def _meta_autocast(monkeypatch):
-    """The meta device has no autocast state; answer 'off' for it (nothing else changes)."""
-    enabled, autocast = torch.is_autocast_enabled, torch.autocast
-    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and str(a[0]) == "meta" else enabled(*a))
-    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k: contextlib.nullcontext() if device_type == "meta" else autocast(device_type, *a, **k))
-    yield
-
-
 def _on_meta(draft, batch):
     """Loss + backward with the draft and the batch on the meta device, where reading any value raises."""
     d = copy.deepcopy(draft).to("meta")
@@ -71,7 +61,7 @@ def _on_meta(draft, batch):
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "windowed"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_the_step_reads_no_device_value_when_the_loader_planned_it(algorithm, layout, monkeypatch):
+def test_the_step_reads_no_device_value_when_the_loader_planned_it(algorithm, layout):
     """Forward + backward on the meta device: a `.tolist()`, `.item()` or `int(t)` anywhere in the step raises there.
     With the loader's plan nothing does; without one, the block drafts (anchors) and packed EAGLE-3 (sample bounds)
     must read the batch — which shows the probe catches a read."""
@@ -80,15 +70,14 @@ def test_the_step_reads_no_device_value_when_the_loader_planned_it(algorithm, la
     if layout == "packed":
         batch = pack_batch(batch, 24)
         assert batch.segment_ids is not None and batch.input_ids.shape[0] < 3
-    with _meta_autocast(monkeypatch):
-        for buckets in (False, True):
-            batch.plan = draft.plan_batch(batch, key=7, buckets=buckets)  # what the loader does, on the CPU batch
-            loss, _ = _on_meta(draft, batch)
-            assert loss.device.type == "meta"
-        batch.plan = None
-        if algorithm != "eagle3" or layout == "packed":
-            with pytest.raises((RuntimeError, NotImplementedError)):
-                _on_meta(draft, batch)
+    for buckets in (False, True):
+        batch.plan = draft.plan_batch(batch, key=7, buckets=buckets)  # what the loader does, on the CPU batch
+        loss, _ = _on_meta(draft, batch)
+        assert loss.device.type == "meta"
+    batch.plan = None
+    if algorithm != "eagle3" or layout == "packed":
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            _on_meta(draft, batch)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -267,6 +256,18 @@ def test_attention_shapes_come_from_a_few_buckets(algorithm, packed):
 
 
 LIMITS = {("eagle3", False): 12, ("eagle3", True): 12, ("dflash", False): 8, ("dflash", True): 8, ("dspark", False): 8, ("dspark", True): 8}
+
+
+def test_a_ladder_length_sample_keeps_its_length_with_the_sentinel_row(monkeypatch):
+    """Later TTT steps put a sentinel row in front of a sample: the sample's rows are bucketed, not the call's (a
+    4,096-token sample padded to 6,144 would cost half its attention again)."""
+    seen = []
+    real = attention._sdpa
+    monkeypatch.setattr(attention, "_sdpa", lambda q, *a, **k: seen.append(q.shape[2]) or real(q, *a, **k))
+    q, k0, v0 = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    chain_attention(q, k0, v0, [(torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16))], sample_ranges(None, 1, 64), None, True)
+    chain_attention(q[:, :, :50], k0[:, :, :50], v0[:, :, :50], [], sample_ranges(None, 1, 50), None, True)
+    assert seen == [65, 64]
 
 
 def test_the_ladder():

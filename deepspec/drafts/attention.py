@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.drafts.amp import autocast_dtype, no_autocast
 from deepspec.drafts.plan import Range, bucket, sample_ranges  # noqa: F401  (sample_ranges: re-exported for callers)
 
 # extra q/k/v channels of a sentinel call: a multiple of 8, so head dims stay eligible for the fused kernels
@@ -74,10 +75,8 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype SDPA computes in: autocast's where it is on (it casts q/k/v and float masks), else x's."""
-    dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
+    cast = autocast_dtype(x.device.type) if x.is_floating_point() else None
+    return cast if cast is not None else x.dtype
 
 
 # The SDPA kernels a CUDA training step may use, chosen here rather than by the dispatcher: flash for the unmasked
@@ -97,11 +96,13 @@ def _sdpa(q, k, v, scale, mask=None, is_causal=False):
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, buckets: bool) -> torch.Tensor:
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, buckets: bool, front: int = 0) -> torch.Tensor:
     """is_causal attention with queries and keys at the same rows; with `buckets` the rows are padded at the end to a
-    `bucket` length (a row never sees a later one, so the padding changes nothing before it) and cut off again."""
+    `bucket` length (a row never sees a later one, so the padding changes nothing before it) and cut off again.
+    front: rows put in front of the sample's (the sentinel's): the sample's own rows are bucketed, so a 4,096-row
+    sample with its sentinel makes a 4,097-row call, not a 6,144-row one."""
     n = q.shape[2]
-    extra = bucket(n) - n if buckets else 0
+    extra = bucket(n - front) + front - n if buckets else 0
     if extra:
         q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
     out = _sdpa(q, k, v, scale, is_causal=True)
@@ -211,7 +212,7 @@ def _causal_range(q, k, v, scale, window, q_offset, sentinel, buckets=False):
         if not sentinel:
             return _causal(q, k, v, scale, buckets)
         kx, vx = _extend(k, v, sentinel_first=True)
-        out = _causal(F.pad(q, (0, 0, 1, 0)), kx, vx, scale, buckets)
+        out = _causal(F.pad(q, (0, 0, 1, 0)), kx, vx, scale, buckets, front=1)
         return out[:, :, 1:]
     keys = _Keys(k, v, sentinel)
     g = q.shape[1] // k.shape[1]
@@ -272,7 +273,7 @@ def _diagonal(q: torch.Tensor, diag: list[tuple[torch.Tensor, torch.Tensor]], sc
     step = len(diag)
     b_n, h, t, d = q.shape
     hk = diag[0][0].shape[1]
-    with torch.autocast(q.device.type, enabled=False), _ieee_fp32(q):
+    with no_autocast(q.device.type), _ieee_fp32(q):
         kd = _acc(torch.stack([x[0] for x in diag], dim=3))  # [B, hk, T, k, d]
         vd = _acc(torch.stack([x[1] for x in diag], dim=3))
         qg = _acc(q).reshape(b_n, hk, h // hk, t, d)

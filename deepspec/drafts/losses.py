@@ -25,15 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from deepspec.drafts import liger
+from deepspec.drafts.amp import autocast_dtype
 from deepspec.drafts.layers import softcap
 
 
 def gemm_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     """The dtype a head matmul runs in: autocast's where it is on for x's device, else the operands' common dtype."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return torch.promote_types(x.dtype, w.dtype)
+    cast = autocast_dtype(x.device.type)
+    return cast if cast is not None else torch.promote_types(x.dtype, w.dtype)
 
 
 @dataclass
