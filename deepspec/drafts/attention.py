@@ -354,7 +354,7 @@ class BlockBounds:
             spans.append((lo, hi))
         return spans
 
-    def chunks(self, window: int | None, block: int, rows: int, group: int, elements: int = _CHUNK_ELEMENTS) -> list[tuple[int, int, int, int]]:
+    def chunks(self, window: int | None, block: int, rows: int, group: int, elements: int | None = None) -> list[tuple[int, int, int, int]]:
         """(a0, a1, lo, hi): blocks a0..a1-1 and the context keys [lo, hi) the call reads (hi <= lo: none).
 
         Exact (no buckets): grown block by block while the chunk's mask (batch rows x folded query heads x its blocks'
@@ -362,6 +362,7 @@ class BlockBounds:
         see. Bucketed: every chunk holds the same number of blocks (the largest divisor of the anchor count whose mask
         fits over all key rows), and reads a `bucket`-long key range that covers its blocks' keys (the mask hides the
         rest): two or three shapes per length bucket instead of one per chunk."""
+        elements = _CHUNK_ELEMENTS if elements is None else elements
         key = (window, block, rows, group, elements)
         if key in self._plans:
             return self._plans[key]
@@ -440,15 +441,16 @@ def block_attention(
 
     def chunk_mask(a0: int, a1: int, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask [B, 1, group * rows, n_ctx + rows] of blocks a0..a1-1: context keys [lo, hi) as the anchors
-        allow, then the chunk's own blocks (each block sees itself)."""
+        allow, then the chunk's own blocks (each block sees itself). Reads no large tensor (q) of the enclosing scope: a
+        recomputed chunk calls it in backward."""
         nb, n_ctx = a1 - a0, max(0, hi - lo)
-        pc = torch.arange(lo, lo + n_ctx, device=q.device)
+        pc = torch.arange(lo, lo + n_ctx, device=anchors.device)
         anc, start = anchors[:, a0:a1, None], ctx_start[:, a0:a1, None]
         ctx = (pc < anc) & (pc >= start) & keep[:, a0:a1, None].bool() & valid[:, None, lo : lo + n_ctx]  # [B, nb, n]
         ctx = ctx[:, :, None, :].expand(-1, -1, k_n, -1)
         if window is not None:
             ctx = ctx & ((anc + slot)[..., None] - pc < window)
-        own = torch.eye(nb, dtype=torch.bool, device=q.device)[:, None, :, None] & own_vis[None, :, None, :]  # [nb, K, nb, K]
+        own = torch.eye(nb, dtype=torch.bool, device=anchors.device)[:, None, :, None] & own_vis[None, :, None, :]  # [nb, K, nb, K]
         vis = torch.cat([ctx, own.reshape(1, nb, k_n, nb * k_n).expand(b_n, -1, -1, -1)], dim=-1)
         return _additive(vis.reshape(b_n, nb * k_n, -1), g, dtype)
 
