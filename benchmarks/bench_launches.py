@@ -390,6 +390,70 @@ def measure_algorithm(tree: Path, variant: str, shape: str, steps: int) -> dict:
             layers._NORM_CHUNK = chunk0
 
 
+# ops that launch nothing: views, metadata, no-op conversions (the profiler lists them as leaves too)
+_NO_LAUNCH = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "slice", "select", "alias", "detach",
+              "expand", "permute", "as_strided", "split", "split_with_sizes", "unbind", "reshape", "narrow", "empty",
+              "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "lift_fresh", "resolve_conj",
+              "resolve_neg", "to", "promote_types", "result_type", "_has_compatible_shallow_copy_type", "item",
+              "_local_scalar_dense", "set_", "contiguous", "flatten", "unflatten", "_reshape_alias", "view_as", "expand_as"}
+
+
+def measure_profiled(tree: Path, variant: str, shape: str, compiled: bool) -> dict:
+    """Kernel-launching work of one micro-batch as the CUDA path runs it, counted by torch.profiler on the CPU: leaf aten
+    ops that launch a kernel (a composite op's launching children count instead of it) plus, compiled, the kernels
+    Inductor generated (one event each with its kernel profiling on). This tree runs with the CUDA chunk budget and
+    bucketed plans; `compiled` applies `train.compile` (deepspec.train.compile.compile_draft). Inductor's CPU kernels
+    stand in for its CUDA ones: the fusion decisions are alike, the counts an estimate."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    import deepspec.drafts.attention as attention
+    from deepspec.train.batches import collate_features
+
+    inductor_config.cpp.enable_kernel_profile = True
+    saved = getattr(attention, "_CHUNK_ELEMENTS", None)
+    if hasattr(attention, "_CUDA_CHUNK_ELEMENTS"):
+        attention._CHUNK_ELEMENTS = attention._CUDA_CHUNK_ELEMENTS
+    try:
+        draft, cfg, tconf = _build(tree, variant, shape)
+        if compiled:
+            from deepspec.train.compile import compile_draft
+
+            compile_draft(draft, True, torch.device("cpu"))
+        batch = collate_features([_sample(SHAPES[shape][1], len(cfg.model.target_layer_ids), tconf.hidden_size, tconf.vocab_size, 7)])
+        has_plan = hasattr(draft, "plan_batch") and "plan" in getattr(type(batch), "__dataclass_fields__", {})
+        torch.manual_seed(1234)
+
+        def step(i: int) -> None:
+            if has_plan:
+                batch.plan = draft.plan_batch(batch, key=10_007 * (i + 1), buckets=True)
+            loss, _ = draft.loss(batch)
+            loss.backward()
+            draft.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        for i in range(2):  # compiles (and recompiles for the second length-independent call, if any)
+            step(i)
+        warm = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(2)
+        kinds: Counter = Counter()
+        for e in prof.events():
+            if e.name.startswith("aten::"):
+                op = e.name[6:]
+                if op in _NO_LAUNCH or any((c.name.startswith("aten::") and c.name[6:] not in _NO_LAUNCH) or "cpp_fused" in c.name
+                                           for c in e.cpu_children):
+                    continue
+                kinds[op] += 1
+            elif "cpp_fused" in e.name:
+                kinds["<inductor kernel>"] += 1
+        return {"launches": sum(kinds.values()), "compiled": compiled, "top": kinds.most_common(12), "warm_s": round(warm, 1)}
+    finally:
+        if saved is not None:
+            attention._CHUNK_ELEMENTS = saved
+
+
 def meta_flops(tree: Path, variant: str, buckets: bool) -> dict:
     """This tree only: FLOPs, aten ops and the optimizer's parameter split of one micro-batch at the full Qwen3-8B
     shape on the meta device (the plan made on the CPU first)."""
@@ -430,7 +494,7 @@ def meta_flops(tree: Path, variant: str, buckets: bool) -> dict:
     }
 
 
-def emit_rows(tree: Path, shape: str, steps: int, algorithms: list[str], flops: bool) -> dict:
+def emit_rows(tree: Path, shape: str, steps: int, algorithms: list[str], flops: bool, profiled: bool = False) -> dict:
     import torch
 
     import deepspec
@@ -441,6 +505,10 @@ def emit_rows(tree: Path, shape: str, steps: int, algorithms: list[str], flops: 
         raise RuntimeError(f"deepspec imported from {deepspec.__file__}, not from {tree}: check PYTHONPATH")
     for variant in algorithms:
         row = measure_algorithm(tree, variant, shape, steps)
+        if profiled and variant in ALGORITHMS:
+            row["profiled_eager"] = measure_profiled(tree, variant, shape, compiled=False)
+            if flops:  # this tree: its CUDA path compiles the layers (train.compile: auto)
+                row["profiled_compiled"] = measure_profiled(tree, variant, shape, compiled=True)
         if flops:
             row["meta_exact"] = meta_flops(tree, variant, buckets=False)
             row["meta_bucketed"] = meta_flops(tree, variant, buckets=True)
@@ -574,9 +642,9 @@ def ensure_worktree(path: Path) -> bool:
     return r.returncode == 0 and (path / "deepspec" / "__init__.py").is_file()
 
 
-def run_tree(tree: Path, shape: str, steps: int, algorithms: list[str], flops: bool, timeout: float) -> dict:
+def run_tree(tree: Path, shape: str, steps: int, algorithms: list[str], flops: bool, timeout: float, profiled: bool = False) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--emit-row", "--tree", str(tree), "--shape", shape,
-           "--steps", str(steps), "--algorithms", *algorithms] + (["--flops"] if flops else [])
+           "--steps", str(steps), "--algorithms", *algorithms] + (["--flops"] if flops else []) + (["--profiled"] if profiled else [])
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tree))
     if r.returncode != 0:
@@ -653,6 +721,13 @@ def build_report(ours: dict, base: dict | None, shape: str, steps: int) -> dict:
             "forward_aten_ops": r["per_step"][-1]["forward_aten_ops"],
             "forward_ops_in_compile_regions": r["per_step"][-1]["forward_ops_in_compile_regions"],
         }
+        if "profiled_compiled" in r:  # the CUDA path: compiled layers, CUDA chunk budget, bucketed plans
+            row["cuda_path_launches_per_micro_batch"] = r["profiled_compiled"]["launches"]
+            row["cuda_path_eager_launches_per_micro_batch"] = r["profiled_eager"]["launches"]
+            row["cuda_path_top_launch_ops"] = r["profiled_compiled"]["top"]
+            if b and "profiled_eager" in b:
+                row["baseline_cuda_path_launches_per_micro_batch"] = b["profiled_eager"]["launches"]
+                row["cuda_path_launch_ratio_baseline_over_this"] = _ratio(b["profiled_eager"]["launches"], r["profiled_compiled"]["launches"])
         if "meta_exact" in r:
             me, mb = r["meta_exact"], r["meta_bucketed"]
             row.update({
@@ -694,21 +769,24 @@ def main() -> int:
     ap.add_argument("--tree", type=Path, default=REPO, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, choices=list(SHAPES), help=argparse.SUPPRESS)
     ap.add_argument("--flops", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-compiled", action="store_true", help="skip the profiled (compiled) count of the CUDA path (minutes of CPU compile)")
     args = ap.parse_args()
     shape = args.shape or ("smoke" if args.smoke else "reduced")
     steps = args.steps or (3 if args.smoke else 4)
     if args.emit_row:
-        print(json.dumps(emit_rows(args.tree, shape, steps, args.algorithms, args.flops)))
+        print(json.dumps(emit_rows(args.tree, shape, steps, args.algorithms, args.flops, args.profiled)))
         return 0
     checks = self_check()
     t0 = time.perf_counter()
     variants = list(dict.fromkeys(args.algorithms + (["eagle3_gpu_row"] if "eagle3" in args.algorithms else [])))
-    ours = run_tree(REPO, shape, steps, variants, True, args.timeout)
+    profiled = not (args.smoke or args.no_compiled)
+    ours = run_tree(REPO, shape, steps, variants, True, args.timeout, profiled)
     base = None
     baseline_note = None
     if not args.no_baseline:
         if ensure_worktree(args.baseline_tree):
-            base = run_tree(args.baseline_tree, shape, steps, variants, False, args.timeout)
+            base = run_tree(args.baseline_tree, shape, steps, variants, False, args.timeout, profiled)
         else:
             baseline_note = f"no worktree of {BASELINE_COMMIT} at {args.baseline_tree}: this tree only"
     report = build_report(ours, base, shape, steps)

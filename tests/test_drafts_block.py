@@ -155,3 +155,38 @@ def test_mask_token_defaults():
     assert default_mask_token_id(320) == 319
     _, d, _, _, _ = _setup("dflash", mask_token_id=259)
     assert d.mask_token_id == 259
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_an_unlogged_step_trains_exactly_like_a_logged_one(algorithm):
+    """train_metrics False (a step whose metrics nobody reads): DFlash's loss is CE alone, so it skips the target's
+    distribution and the metric terms — the loss and every gradient stay bit for bit; DSpark needs them for its loss."""
+    torch.manual_seed(0)
+    model, _ = tiny_target("qwen3")
+    cfg = ModelConfig(algorithm=algorithm, target_layer_ids=[0, 2, 4], block_size=4, num_anchors=4, markov_rank=8)
+    d = get_algorithm(algorithm).from_target_config(model.config, cfg)
+    d.load_target_weights(*target_weights(model))
+    d.train()
+    ids = torch.randint(0, 250, (2, 18), generator=torch.Generator().manual_seed(1))
+    taps, final = capture(model, ids, d.taps)
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    batch = DraftBatch(ids, ones, ones, taps, final)
+    batch.plan = d.plan_batch(batch, key=5, buckets=False)
+    out = {}
+    for logged in (True, False):
+        d.train_metrics = logged
+        d.zero_grad()
+        calls = []
+        real = d.target_logits
+        d.target_logits = lambda fh: calls.append(1) or real(fh)
+        loss, metrics = d.loss(batch)
+        del d.target_logits
+        loss.backward()
+        out[logged] = (loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}, set(metrics), len(calls))
+    assert torch.equal(out[False][0], out[True][0])
+    assert all(torch.equal(out[False][1][n], g) for n, g in out[True][1].items())
+    assert "_loss_weight" in out[False][2] and "expected_tau" in out[True][2]
+    if algorithm == "dflash":
+        assert out[False][3] == 0 and out[True][3] > 0 and "expected_tau" not in out[False][2]
+    else:
+        assert out[False][3] > 0

@@ -296,7 +296,12 @@ class BlockDraft(TargetBackedDraft):
         rows_z = None if z is None else z.reshape(-1, z.shape[-1])
         rows_conf = None if conf is None else conf.reshape(-1)
         rows_label = labels.reshape(-1)
-        rows_fh = batch.final_hidden.gather(1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])
+        ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
+        # a loss of CE alone (DFlash) on a step whose metrics nobody reads: the target's distribution, the L1 and the
+        # acceptance terms are metrics only — skip its [rows, V] head product and the terms (the loss is the same)
+        ce_only = not (self.train_metrics or not self.training) and l1_alpha == 0 and conf is None
+        rows_fh = None if ce_only else batch.final_hidden.gather(
+            1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])
         rows_w = weights.reshape(-1) * sel
         ce_w = rows_w
         if self.reduced_vocab:
@@ -304,14 +309,16 @@ class BlockDraft(TargetBackedDraft):
             rows_label = (torch.cumsum(self.t2d, 0) - 1).clamp(min=0)[rows_label]  # target id -> draft id
         ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label)
         w_sum = rows_w.sum().clamp(min=1e-9)
-        ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
         ce_loss = (ce_w * ce).sum() / ce_w.sum().clamp(min=1e-9)
+        metrics: Metrics = {"ce_loss": ((ce_w * ce).sum().detach(), ce_w.sum())}
+        samples = ((batch.positions() == 0) & am).sum().float()  # packed rows hold several samples
+        metrics["anchors"] = (keep.sum().float(), samples)  # anchors per sample
+        metrics[LOSS_WEIGHT] = (rows_w.sum().detach(), torch.ones((), device=dev))
+        if ce_only:
+            return ce_alpha * ce_loss, metrics
         l1_loss = (rows_w * l1).sum() / w_sum
         total = ce_alpha * ce_loss + l1_alpha * l1_loss
-        metrics: Metrics = {
-            "ce_loss": ((ce_w * ce).sum().detach(), ce_w.sum()),
-            "l1_loss": ((rows_w * l1).sum().detach(), rows_w.sum()),
-        }
+        metrics["l1_loss"] = ((rows_w * l1).sum().detach(), rows_w.sum())
         if rows_conf is not None:
             target_acc = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
             bce = F.binary_cross_entropy_with_logits(rows_conf.float(), target_acc, reduction="none")
@@ -321,14 +328,11 @@ class BlockDraft(TargetBackedDraft):
             metrics["confidence_loss"] = ((rows_w * bce).sum().detach(), rows_w.sum())
             metrics["confidence_abs_error"] = (err.sum(), sel.sum().float())
         metrics.update(self._depth_metrics(alpha, top, eval_mask))
-        samples = ((batch.positions() == 0) & am).sum().float()  # packed rows hold several samples
-        metrics["anchors"] = (keep.sum().float(), samples)  # anchors per sample
-        metrics[LOSS_WEIGHT] = (rows_w.sum().detach(), torch.ones((), device=dev))
         return total, metrics
 
     def _row_terms(self, h, z, fh, labels):
         """Per supervised row: (CE, L1 = ||p_d - p_t||_1, alpha = sum min(p_d, p_t), top-1 match), chunked.
-        labels are draft ids (= target ids without a draft vocabulary)."""
+        labels are draft ids (= target ids without a draft vocabulary). fh None: CE alone (the others None)."""
         n = h.shape[0]
         if n == 0:
             zero = h.sum() * 0.0
@@ -340,12 +344,14 @@ class BlockDraft(TargetBackedDraft):
         terms = partial(self._chunk_terms, head=head, tids=self.draft_target_ids() if self.reduced_vocab else None)
         ces, l1s, alphas, tops = [], [], [], []
         for i in range(0, n, chunk):
-            args = (h[i : i + chunk], fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
+            args = (h[i : i + chunk], None if fh is None else fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
             if torch.is_grad_enabled() and h.requires_grad and n > chunk:
                 ce, l1, alpha, top = checkpoint(terms, *args, use_reentrant=False)
             else:
                 ce, l1, alpha, top = terms(*args)
             ces.append(ce), l1s.append(l1), alphas.append(alpha), tops.append(top)
+        if fh is None:
+            return torch.cat(ces), None, None, None
         return torch.cat(ces), torch.cat(l1s), torch.cat(alphas), torch.cat(tops)
 
     def _chunk_terms(self, h, fh, labels, z=None, tids=None, head=None):
@@ -356,10 +362,12 @@ class BlockDraft(TargetBackedDraft):
         logits = softcap(F.linear(h.to(dt), head.to(dt)).float(), self.arch.logit_softcap)
         if z is not None:
             logits = logits + self._head_bias(z).float()
-        with torch.no_grad():
-            p_t = torch.softmax(self.target_logits(fh), dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
         ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        if fh is None:
+            return ce, None, None, None
+        with torch.no_grad():
+            p_t = torch.softmax(self.target_logits(fh), dim=-1)
         p_d = logp.exp()
         if tids is None:
             l1 = (p_d - p_t).abs().sum(-1)
