@@ -61,8 +61,9 @@ _EXTRA = 8
 _SPAN = 256
 # mask elements of one chunk call ([B, group * queries, keys]): bounds a chunk's working memory (16 MiB in bf16)
 _CHUNK_ELEMENTS = 1 << 23
-# on CUDA block chunks may be 4x larger (64 MiB masks in bf16): fewer, bigger calls, where every call costs host time
-_CUDA_CHUNK_ELEMENTS = 1 << 25
+# on CUDA block chunks may be 8x larger (128 MiB masks in bf16, one per chunk for the step): fewer, bigger calls, where
+# every call and its backward's slice gradients cost host time (a 4,096-token DFlash sample: 2 calls per layer)
+_CUDA_CHUNK_ELEMENTS = 1 << 26
 # query rows per chunk of a sliding-window pass
 _WINDOW_CHUNK = 512
 

@@ -299,7 +299,8 @@ class BlockDraft(TargetBackedDraft):
         ce_alpha, l1_alpha, conf_alpha = self._loss_weights()
         # a loss of CE alone (DFlash) on a step whose metrics nobody reads: the target's distribution, the L1 and the
         # acceptance terms are metrics only — skip its [rows, V] head product and the terms (the loss is the same)
-        ce_only = not (self.train_metrics or not self.training) and l1_alpha == 0 and conf is None
+        with_metrics = self.train_metrics or not self.training
+        ce_only = not with_metrics and l1_alpha == 0 and conf is None
         rows_fh = None if ce_only else batch.final_hidden.gather(
             1, (lp - 1).view(b, -1, 1).expand(-1, -1, batch.final_hidden.shape[-1])).reshape(-1, batch.final_hidden.shape[-1])
         rows_w = weights.reshape(-1) * sel
@@ -307,7 +308,7 @@ class BlockDraft(TargetBackedDraft):
         if self.reduced_vocab:
             ce_w = rows_w * self.t2d[rows_label]  # labels outside the draft vocabulary: no CE (see the docstring)
             rows_label = (torch.cumsum(self.t2d, 0) - 1).clamp(min=0)[rows_label]  # target id -> draft id
-        ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label)
+        ce, l1, alpha, top = self._row_terms(rows_h, rows_z, rows_fh, rows_label, with_metrics)
         w_sum = rows_w.sum().clamp(min=1e-9)
         ce_loss = (ce_w * ce).sum() / ce_w.sum().clamp(min=1e-9)
         metrics: Metrics = {"ce_loss": ((ce_w * ce).sum().detach(), ce_w.sum())}
@@ -324,15 +325,18 @@ class BlockDraft(TargetBackedDraft):
             bce = F.binary_cross_entropy_with_logits(rows_conf.float(), target_acc, reduction="none")
             conf_loss = (rows_w * bce).sum() / w_sum
             total = total + conf_alpha * conf_loss
-            err = (torch.sigmoid(rows_conf.detach().float()) - target_acc).abs() * sel
             metrics["confidence_loss"] = ((rows_w * bce).sum().detach(), rows_w.sum())
-            metrics["confidence_abs_error"] = (err.sum(), sel.sum().float())
-        metrics.update(self._depth_metrics(alpha, top, eval_mask))
+            if with_metrics:
+                err = (torch.sigmoid(rows_conf.detach().float()) - target_acc).abs() * sel
+                metrics["confidence_abs_error"] = (err.sum(), sel.sum().float())
+        if with_metrics:
+            metrics.update(self._depth_metrics(alpha, top, eval_mask))
         return total, metrics
 
-    def _row_terms(self, h, z, fh, labels):
+    def _row_terms(self, h, z, fh, labels, with_metrics: bool = True):
         """Per supervised row: (CE, L1 = ||p_d - p_t||_1, alpha = sum min(p_d, p_t), top-1 match), chunked.
-        labels are draft ids (= target ids without a draft vocabulary). fh None: CE alone (the others None)."""
+        labels are draft ids (= target ids without a draft vocabulary). fh None: CE alone (the others None);
+        with_metrics False: alpha and top-1 (metrics only) None."""
         n = h.shape[0]
         if n == 0:
             zero = h.sum() * 0.0
@@ -341,7 +345,8 @@ class BlockDraft(TargetBackedDraft):
         chunk = max(1, int(self.model_cfg.vocab_chunk_rows))
         head = self.head_weight()
         head = head.to(gemm_dtype(h, head))  # cast once per loss, not per chunk (no-op: frozen head in the training dtype)
-        terms = partial(self._chunk_terms, head=head, tids=self.draft_target_ids() if self.reduced_vocab else None)
+        terms = partial(self._chunk_terms, head=head, tids=self.draft_target_ids() if self.reduced_vocab else None,
+                        with_metrics=with_metrics)
         ces, l1s, alphas, tops = [], [], [], []
         for i in range(0, n, chunk):
             args = (h[i : i + chunk], None if fh is None else fh[i : i + chunk], labels[i : i + chunk]) + (() if z is None else (z[i : i + chunk],))
@@ -352,11 +357,14 @@ class BlockDraft(TargetBackedDraft):
             ces.append(ce), l1s.append(l1), alphas.append(alpha), tops.append(top)
         if fh is None:
             return torch.cat(ces), None, None, None
+        if not with_metrics:
+            return torch.cat(ces), torch.cat(l1s), None, None
         return torch.cat(ces), torch.cat(l1s), torch.cat(alphas), torch.cat(tops)
 
-    def _chunk_terms(self, h, fh, labels, z=None, tids=None, head=None):
+    def _chunk_terms(self, h, fh, labels, z=None, tids=None, head=None, with_metrics=True):
         """tids [Dv]: the target ids of the draft vocabulary's columns (None = the full vocabulary). head: the LM head in
-        the GEMM dtype (bf16 under bf16 autocast); softmax, log-normalisers and the terms are fp32."""
+        the GEMM dtype (bf16 under bf16 autocast); softmax, log-normalisers and the terms are fp32. with_metrics False:
+        alpha and top-1 are None."""
         head = self.head_weight() if head is None else head
         dt = gemm_dtype(h, head)
         logits = softcap(F.linear(h.to(dt), head.to(dt)).float(), self.arch.logit_softcap)
@@ -371,11 +379,15 @@ class BlockDraft(TargetBackedDraft):
         p_d = logp.exp()
         if tids is None:
             l1 = (p_d - p_t).abs().sum(-1)
+            if not with_metrics:
+                return ce, l1, None, None
             alpha = torch.minimum(p_d.detach(), p_t).sum(-1)
             top = (logits.detach().argmax(-1) == p_t.argmax(-1)).float()
             return ce, l1, alpha, top
         p_in = p_t[:, tids]  # the target's probabilities of the draft vocabulary; the draft puts 0 on the rest
         l1 = (p_d - p_in).abs().sum(-1) + (1.0 - p_in.sum(-1)).clamp(min=0.0)
+        if not with_metrics:
+            return ce, l1, None, None
         alpha = torch.minimum(p_d.detach(), p_in).sum(-1)
         top = (tids[logits.detach().argmax(-1)] == p_t.argmax(-1)).float()
         return ce, l1, alpha, top
