@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,6 @@ from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target
 from deepspec.train.compile import compile_draft, compiled_regions, resolve_compile, uncompile_draft
 
-REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
 
 
@@ -222,40 +220,12 @@ def test_auto_is_the_default_once_the_trainer_compiles_regions():
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
-    from deepspec.config import load_config
-    from deepspec.data.cache import build_cache
+    from tiny_recipe import cached_recipe
 
-    root = tmp_path_factory.mktemp("compile")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
-
-    def conv(i: int) -> str:
-        q, a = (" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))) for lo, hi in ((3, 8), (6, 24)))
-        return json.dumps({"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
-
-    (data / "regenerated.jsonl").write_text("".join(conv(i) for i in range(8)))
-    (data / "regenerated.heldout.jsonl").write_text("".join(conv(100 + i) for i in range(2)))
-    path = root / "recipe.yaml"
-    path.write_text(
-        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
-project: t
-exp: e3
-output_root: {root}/out
-target: {{name: {tiny_llama_dir}}}
-data: {{dir: {data}}}
-cache: {{max_length: 96}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false, num_draft_layers: 2}}
-train: {{output_root: {root}/ckpt, optimizer: adamw, global_batch_size: 2, micro_batch_size: 1, max_steps: 3,
-         save_every: 3, val_every: 3, log_every: 1, precision: fp32}}
-logging: {{progress: false, wandb: false, tensorboard: false}}
-"""
-    )
-    cfg = load_config(path)
-    build_cache(cfg, "train")
-    build_cache(cfg, "heldout")
-    return path
+    return cached_recipe(tmp_path_factory.mktemp("compile"), tiny_llama_dir, samples=8, heldout=2, max_length=96,
+                         model="num_draft_layers: 2",
+                         train="optimizer: adamw, global_batch_size: 2, micro_batch_size: 1, max_steps: 3, save_every: 3, "
+                               "val_every: 3, log_every: 1, precision: fp32")
 
 
 @pytest.mark.slow

@@ -1,0 +1,51 @@
+"""A recipe on a tiny target with its train and held-out caches built: what the trainer tests start from.
+
+The conversations are random words; `train` and `model` are YAML flow mappings merged over the quickstart EAGLE-3
+recipe, so each test module says only what it changes."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
+
+
+def conversation(rng: random.Random, i: int, answer: tuple[int, int] = (6, 24)) -> dict:
+    q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
+    a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*answer)))
+    return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def cached_recipe(root: Path, target_dir: Path, *, samples: int, heldout: int, max_length: int, train: str, model: str = "",
+                  project: str = "t") -> Path:
+    """Write `root`/recipe.yaml over `samples` + `heldout` conversations and build both caches; returns its path.
+    train / model: extra `key: value` pairs of those sections (YAML flow syntax, without braces)."""
+    from deepspec.config import load_config
+    from deepspec.data.cache import build_cache
+
+    data = root / "data"
+    data.mkdir(parents=True)
+    rng = random.Random(0)
+    (data / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(samples)))
+    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(conversation(rng, 100 + i)) + "\n" for i in range(heldout)))
+    path = root / "recipe.yaml"
+    path.write_text(
+        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
+project: {project}
+exp: e3
+output_root: {root}/out
+target: {{name: {target_dir}}}
+data: {{dir: {data}}}
+cache: {{max_length: {max_length}}}
+model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false{', ' + model if model else ''}}}
+train: {{output_root: {root}/ckpt, {train}}}
+logging: {{progress: false, wandb: false, tensorboard: false}}
+"""
+    )
+    cfg = load_config(path)
+    build_cache(cfg, "train")
+    build_cache(cfg, "heldout")
+    return path
