@@ -100,7 +100,8 @@ row env "$L_ENV" -- "$PY" "$BENCH/bench_gpu.py" --row env --out "$ROWS"
 
 row tests "$L_TESTS" --log "$OUT/tests.txt" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
   "$ROOT/tests/test_attention_kernels.py" "$ROOT/tests/test_cache_online.py" "$ROOT/tests/test_loader.py" \
-  "$ROOT/tests/test_precision.py" -k "cuda or fused or online or stager"
+  "$ROOT/tests/test_precision.py" "$ROOT/tests/test_staging.py" "$ROOT/tests/test_step_plan.py" \
+  -k "cuda or fused or online or stager"
 
 row ours "$L_OURS" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms eagle3 dflash dspark --no-peer \
   --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --jsonl "$ROWS"
