@@ -302,3 +302,21 @@ def test_the_loader_plans_each_batch_with_its_micro_batch_seed():
             torch.manual_seed(0)
             here = draft.loss(b, anchors=want.anchors, keep=want.keep)[0]
         torch.testing.assert_close(planned, here, rtol=0, atol=0)
+
+
+def test_the_diagonal_turns_tf32_off_through_the_precision_api_training_sets():
+    """Training sets float32 matmul precision 'high' (TF32 on CUDA); the TTT diagonal's scores need IEEE fp32. The switch
+    must not touch the legacy allow_tf32 flag: after set_float32_matmul_precision, torch raises on the mix."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with attention._ieee_fp32(_Dev("cuda")):  # the switch reads only the device (no CUDA needed to set the flag)
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.get_float32_matmul_precision() == "high"  # raised here when the legacy flag was flipped
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+class _Dev:
+    def __init__(self, kind: str):
+        self.device = torch.device(kind)

@@ -260,12 +260,24 @@ def _ieee_fp32(x: torch.Tensor):
     if x.device.type != "cuda":
         yield
         return
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    # the precision API that set_float32_matmul_precision feeds (reading the legacy allow_tf32 after it raises in torch
+    # 2.9+, "mix of the legacy and new APIs"); the legacy flag only where the new one does not exist
+    matmul = torch.backends.cuda.matmul
+    name, ieee = ("fp32_precision", "ieee") if _has_fp32_precision() else ("allow_tf32", False)
+    old = getattr(matmul, name)
+    setattr(matmul, name, ieee)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        setattr(matmul, name, old)
+
+
+def _has_fp32_precision() -> bool:
+    try:
+        torch.backends.cuda.matmul.fp32_precision  # noqa: B018  (torch 2.9+)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _diagonal(q: torch.Tensor, diag: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window: int | None):
