@@ -454,9 +454,10 @@ def measure_profiled(tree: Path, variant: str, shape: str, compiled: bool) -> di
             attention._CHUNK_ELEMENTS = saved
 
 
-def meta_flops(tree: Path, variant: str, buckets: bool) -> dict:
+def meta_flops(tree: Path, variant: str, buckets: bool, metrics: bool = False) -> dict:
     """This tree only: FLOPs, aten ops and the optimizer's parameter split of one micro-batch at the full Qwen3-8B
-    shape on the meta device (the plan made on the CPU first)."""
+    shape on the meta device (the plan made on the CPU first). metrics: a logged step's (the block drafts of b3a919e
+    computed their metric terms, the target head's product included, on every step)."""
     import torch
 
     from deepspec.drafts.base import DraftBatch
@@ -465,6 +466,7 @@ def meta_flops(tree: Path, variant: str, buckets: bool) -> dict:
 
     OpCounter, HostReads = make_modes()
     draft, cfg, tconf = _build(tree, variant, "full", device="meta")
+    draft.train_metrics = metrics
     seq = SHAPES["full"][1]
     s = _sample(seq, len(cfg.model.target_layer_ids), tconf.hidden_size, tconf.vocab_size, 7, device="meta")
     small = dict(s, taps=torch.zeros(seq, 1, 1), final_hidden=torch.zeros(seq, 1))
@@ -512,6 +514,8 @@ def emit_rows(tree: Path, shape: str, steps: int, algorithms: list[str], flops: 
         if flops:
             row["meta_exact"] = meta_flops(tree, variant, buckets=False)
             row["meta_bucketed"] = meta_flops(tree, variant, buckets=True)
+            # what b3a919e executed: its block drafts ran the metric terms on every step (EAGLE-3 skipped them unlogged)
+            row["meta_baseline"] = meta_flops(tree, variant, buckets=False, metrics=variant not in ("eagle3", "eagle3_gpu_row"))
         out["rows"][variant] = row
     return out
 
@@ -527,7 +531,7 @@ class CostModel:
 
     Segments: host and GPU work of a segment in proportion to its share of the step's aten ops (the reads' op
     indices are measured); forward planning where its call is, backward planning in the backward's segment.
-    All figures from /work/shared/gpu/2026-11-27-h200/ (profile_dflash_qwen3-8b_4096.txt: 4 training steps of one
+    All figures from benchmarks/results/2026-11-27-h200/ (profile_dflash_qwen3-8b_4096.txt: 4 training steps of one
     sample each, then the final checkpoint save, all under torch.profiler; README.md; rows.jsonl)."""
 
     PEAK = 989.4e12  # H200 dense bf16 FLOP/s (benchmarks/bench_train.py PEAK_FLOPS, the MFU of rows.jsonl)
@@ -663,13 +667,13 @@ def build_report(ours: dict, base: dict | None, shape: str, steps: int) -> dict:
     check = None
     d_ours = ours["rows"].get("dflash")
     if base is not None and d_ours is not None and "dflash" in base["rows"]:
-        m = d_ours["meta_exact"]
+        m = d_ours["meta_baseline"]
         model = CostModel(base["rows"]["dflash"], m["flops"], m["muon_params"], m["adamw_params"])
         check = {}
         for algo, variant in (("dflash", "dflash"), ("eagle3", "eagle3_gpu_row")):
             if variant not in base["rows"] or variant not in ours["rows"]:
                 continue
-            meta = ours["rows"][variant]["meta_exact"]
+            meta = ours["rows"][variant]["meta_baseline"]
             full = model.predict(base["rows"][variant], meta["flops"], meta["flops"], meta, True, tokens)
             pred = full["accum1"]["tokens_per_s"]
             lo, hi = CostModel.MEASURED[algo]
@@ -686,7 +690,7 @@ def build_report(ours: dict, base: dict | None, shape: str, steps: int) -> dict:
         check["if_cudnn_planned_every_call"] = {}
         for algo, variant in (("dflash", "dflash"), ("eagle3", "eagle3_gpu_row")):
             if variant in base["rows"] and variant in ours["rows"]:
-                meta = ours["rows"][variant]["meta_exact"]
+                meta = ours["rows"][variant]["meta_baseline"]
                 pred = per_call.predict(base["rows"][variant], meta["flops"], meta["flops"], meta, True, tokens)["accum1"]["tokens_per_s"]
                 lo, hi = CostModel.MEASURED[algo]
                 check["if_cudnn_planned_every_call"][algo] = {"predicted_tokens_per_s": pred, "ratio": [round(pred / lo, 3), round(pred / hi, 3)]}
@@ -740,8 +744,17 @@ def build_report(ours: dict, base: dict | None, shape: str, steps: int) -> dict:
             })
             if model is not None:
                 row["predicted_h200"] = model.predict(r, mb["flops"], me["flops"], me, False, tokens)
+                if "profiled_compiled" in r:
+                    # the CUDA path compiles the layers: host work scaled by its launching ops, compiled over eager
+                    # (an estimate: a compiled region's own call overhead is taken as one op's)
+                    scale = r["profiled_compiled"]["launches"] / r["profiled_eager"]["launches"]
+                    row["predicted_h200_compiled"] = model.predict(dict(r, aten_ops_per_micro_batch=r["aten_ops_per_micro_batch"] * scale),
+                                                                   mb["flops"], me["flops"], me, False, tokens)
+                    row["compiled_host_scale"] = round(scale, 3)
                 if b:
-                    row["baseline_predicted_h200"] = model.predict(b, me["flops"], me["flops"], me, True, tokens)
+                    mbase = r["meta_baseline"]
+                    row["baseline_predicted_h200"] = model.predict(b, mbase["flops"], mbase["flops"], mbase, True, tokens)
+                    row["baseline_flops_per_token"] = round(mbase["flops"] / mbase["tokens"])
         rows[algo] = row
     return {
         "benchmark": "launches", "date": time.strftime("%Y-%m-%d"), "shape": shape, "steps": steps,
