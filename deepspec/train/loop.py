@@ -14,7 +14,9 @@ sampling), that weight replaces the micro-batch's supervised-token count, in bac
 global normalisation alike.
 
 The loop waits for the device once per step, after the backward pass, for one scalar: whether the step's loss and
-gradient norm are finite (deepspec/train/guard.py). Otherwise batches are staged to the GPU one ahead
+gradient norm are finite (deepspec/train/guard.py). The draft reads nothing back either: what it needs to know about
+a batch on the host (anchors, sample bounds, attention chunk plans) the loader computed from the CPU batch and attached
+as its step plan (deepspec/drafts/plan.py). Otherwise batches are staged to the GPU one ahead
 (deepspec/train/staging.py), losses, token counts and metrics accumulate on the device, the gradient
 scale is applied as a device tensor, and values come to the host only on logged steps (and for
 validation / checkpoints).
