@@ -412,6 +412,15 @@ class BlockBounds:
         return plan
 
 
+def pad_context(kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, rows: int):
+    """Context keys / values [B, hk, S, d] and their validity [B, S] padded to `rows` (a bucketed key range may reach
+    past the batch's rows): padding keys, hidden by `valid`."""
+    pad = rows - kc.shape[2]
+    if pad <= 0:
+        return kc, vc, valid
+    return F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad)), F.pad(valid, (0, pad))
+
+
 def block_attention(
     q: torch.Tensor,
     kb: torch.Tensor,
@@ -448,9 +457,7 @@ def block_attention(
     slot = torch.arange(k_n, device=q.device)
     own_vis = slot[:, None] - slot[None, :] < (window if window is not None else k_n)  # [K, K]: key slot j for query slot i
     valid = key_valid.bool()
-    pad = bounds.key_rows - kc.shape[2]
-    if pad > 0:  # bucketed key ranges may reach past the batch's rows: padding keys, hidden by `valid`
-        kc, vc, valid = F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad)), F.pad(valid, (0, pad))
+    kc, vc, valid = pad_context(kc, vc, valid, bounds.key_rows)
 
     def chunk_mask(a0: int, a1: int, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask [B, 1, group * rows, n_ctx + rows] of blocks a0..a1-1: context keys [lo, hi) as the anchors

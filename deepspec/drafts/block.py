@@ -178,13 +178,15 @@ class BlockDraft(TargetBackedDraft):
         attention_mask: torch.Tensor,
         segment_ids: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        key: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """min(num_anchors, valid_i) anchors per sample i, packed or padded, among a with loss_mask[a] & loss_mask[a+1]
         (same sample); returns (anchors [B, A] sorted, keep [B, A]); missing anchors are dummies (position 0, keep
         False). With input_ids a sample draws the same anchors in a packed row as in a padded one (drafts/anchors.py).
-        Outside training the draw comes from a fixed seed, so validation metrics are reproducible."""
-        seed = None if self.training else self.VALIDATION_ANCHOR_SEED
-        return draw_anchors(loss_mask, attention_mask, self.model_cfg.num_anchors, segment_ids, input_ids, seed)
+        key: the draw's key (a training micro-batch's seed, from the loader); without it, outside training the draw
+        comes from a fixed seed, so validation metrics are reproducible, and in training from torch's generator."""
+        seed = None if key is not None or self.training else self.VALIDATION_ANCHOR_SEED
+        return draw_anchors(loss_mask, attention_mask, self.model_cfg.num_anchors, segment_ids, input_ids, seed, key)
 
     VALIDATION_ANCHOR_SEED = 1234
 
@@ -225,9 +227,7 @@ class BlockDraft(TargetBackedDraft):
         """The anchors of `batch` and their chunk plans (deepspec/drafts/plan.py). The loader calls this on the CPU
         batch with the micro-batch's seed as `key`; without a key the draw is a training one from torch's generator, or
         the fixed validation draw when the draft is in eval mode."""
-        seed = None if key is not None or self.training else self.VALIDATION_ANCHOR_SEED
-        anchors, keep = draw_anchors(batch.loss_mask, batch.attention_mask, self.model_cfg.num_anchors, batch.segment_ids,
-                                     batch.input_ids, seed, key)
+        anchors, keep = self.sample_anchors(batch.loss_mask, batch.attention_mask, batch.segment_ids, batch.input_ids, key)
         return self.plan_anchors(batch, anchors, keep, use_buckets(anchors.device) if buckets is None else buckets)
 
     def plan_anchors(self, batch: DraftBatch, anchors: torch.Tensor, keep: torch.Tensor, buckets: bool = False) -> StepPlan:

@@ -18,9 +18,8 @@ import math
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
-from deepspec.drafts.attention import BlockBounds
+from deepspec.drafts.attention import BlockBounds, pad_context
 from deepspec.errors import ConfigError
 
 
@@ -69,10 +68,7 @@ def flex_block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, key_valid,
     a_n = anchors.shape[1]
     block = q_n // a_n
     bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep, kc.shape[2])
-    valid = key_valid.bool()
-    pad = bounds.key_rows - kc.shape[2]
-    if pad > 0:
-        kc, vc, valid = F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad)), F.pad(valid, (0, pad))
+    kc, vc, valid = pad_context(kc, vc, key_valid.bool(), bounds.key_rows)
     n_ctx = kc.shape[2]
     key = ("flex", window, q.device)
     if key not in bounds.masks:

@@ -76,7 +76,7 @@ class ProcessLoader:
                  processes: int, depth: int, pin: bool, plan: Planner | None = None):
         from torch.utils.data import DataLoader
 
-        self.plan, self.pin = plan, pin
+        self.plan = plan
         self.sampler = _PlanSampler(schedule)
         self.loader = DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=processes, pin_memory=pin,
@@ -92,8 +92,6 @@ class ProcessLoader:
         step, m = self.sampler.labels.popleft()
         if self.plan is not None:  # made here, in the trainer process: the workers do not hold the draft
             batch = self.plan(batch, step, m)
-            if self.pin and batch.plan is not None:
-                batch.plan = batch.plan.pin_memory()
         return step, m, batch
 
     def close(self) -> None:
@@ -112,12 +110,12 @@ def build_loader(dataset: Any, collate: Callable[..., DraftBatch], schedule: Sch
     follow = getattr(dataset, "follow", None)
     if follow is not None:
         schedule = follow(schedule)
+    if pin and plan is not None:
+        plan = _pinned_plan(plan)
     if processes > 0:
         return ProcessLoader(dataset, collate, schedule, processes=processes, depth=depth, pin=pin, plan=plan)
     if pin:
         collate = _pinned(collate, packed)
-        if plan is not None:
-            plan = _pinned_plan(plan)
     return Prefetcher(dataset, collate, schedule, depth, plan)
 
 
