@@ -368,7 +368,7 @@ def test_the_sentinel_merge_is_exact_to_fp32_in_bf16():
     assert float((ch.float()[:, 0] * 0.125 - lse).abs().max()) > 1e-2  # one bf16 channel alone would not be
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's own dispatcher checks")
+@pytest.mark.cuda(reason="torch's own dispatcher checks")
 @pytest.mark.parametrize("layout", ["padded", "packed", "sliding"])
 @pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
 def test_on_cuda_torch_itself_puts_every_call_on_a_fused_kernel(algorithm, layout, monkeypatch):

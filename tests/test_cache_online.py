@@ -109,7 +109,7 @@ def test_online_features_stay_on_the_target_device_in_its_dtype(fp32_cache, tiny
     assert widened.taps.dtype == torch.float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the target's own stream and the stager's")
+@pytest.mark.cuda(reason="the target's own stream and the stager's")
 @pytest.mark.parametrize("pack_tokens, dtype", [(0, torch.float32), (0, torch.bfloat16), (24, torch.float32), (24, torch.bfloat16)])
 def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on_cuda(fp32_cache, tiny_llama_dir, pack_tokens, dtype):
     """On a GPU the loader thread runs the target on its own stream while the default stream is busy, packs the

@@ -357,7 +357,7 @@ def test_liger_is_optional_and_off_the_cpu():
     assert not liger.available(torch.zeros(1))  # CPU tensors never take the kernel, installed or not
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's Triton kernels need a CUDA GPU")
+@pytest.mark.cuda(reason="Liger's Triton kernels")
 def test_liger_kernel_on_cuda_matches_the_eager_soft_ce_in_bf16():
     from deepspec.drafts import liger
     from deepspec.drafts.losses import soft_ce

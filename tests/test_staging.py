@@ -90,7 +90,7 @@ def test_bf16_staged_features_give_bf16_training_the_same_loss_and_gradients(alg
         assert torch.equal(g32[n], g16[n]), n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: page-locked memory")
+@pytest.mark.cuda(reason="page-locked memory")
 def test_packed_batches_are_page_locked_once_on_cuda():
     """In a process that trains on a GPU, packing writes the samples straight into page-locked memory: the loader's
     pin_memory() then has nothing left to copy, and the stager's copy is an async DMA."""

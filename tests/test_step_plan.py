@@ -156,7 +156,7 @@ def test_flex_block_attention_equals_the_dense_reference(window):
         flex_block_attention(*(x.requires_grad_() for x in tensors), *meta, window, bounds)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: FlexAttention's compiled kernel and its backward")
+@pytest.mark.cuda(reason="FlexAttention's compiled kernel and its backward")
 @pytest.mark.parametrize("window", [None, 5])
 def test_flex_block_attention_on_cuda_equals_the_dense_reference_with_gradients(window):
     from deepspec.drafts.flex import flex_block_attention
