@@ -18,6 +18,7 @@ from typing import Any, Callable
 from deepspec.cli import config_from_args
 from deepspec.errors import ConfigError
 from deepspec.log import get_logger
+from deepspec.results import results_protocol, served_verdict, split_table
 
 log = get_logger(__name__)
 
@@ -218,15 +219,11 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
 
 def _protocol(res: dict[str, Any]) -> str:
     """The draft-sampling protocol an eval's figures were measured under (the engine's too: it is started with it)."""
-    from deepspec.eval.report import results_protocol
-
     return results_protocol(res.get("meta") or {})
 
 
 def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
     """acc0, acceptance per depth, E[A]@S3, E[A]@S7 and tau@3 per split and algorithm, as one table."""
-    from deepspec.eval.report import split_table
-
     rows = [(f"{r.cfg.model.algorithm} / {t}", ((r.results or {}).get("tasks") or {}).get(t) or {}) for r in recipes for t in tasks]
     if not any(row for _, row in rows):
         return []
@@ -246,8 +243,6 @@ def _served_speedup(speedup: dict[str, Any] | None) -> str:
 def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
     """Per-benchmark table of the engine's mean acceptance length (ours at the same S beside it): the overall
     figure mixes benchmarks of very different difficulty, and the held-out prompts are the ones a goal names."""
-    from deepspec.eval.report import served_verdict
-
     served = [r for r in recipes if ((r.results or {}).get("engine") or {}).get("tasks")]
     if not served:
         return []

@@ -12,16 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.log import get_logger
+from deepspec.results import fmt as _f
+from deepspec.results import overall_rows, served_verdict, split_table
 
 log = get_logger(__name__)
-
-
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
 
 
 def _json_safe(obj: Any) -> Any:
@@ -33,24 +27,6 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
-
-
-def split_table(rows: list[tuple[str, dict[str, Any]]], budget: Any, depth: int | None = None, label: str = "split") -> list[str]:
-    """One table of the headline names per split / benchmark: acc0, acc_cond@k, E[A]@S3, E[A]@S7, tau@3,
-    with the answer budget (max new tokens) — the figures reported for every held-out split."""
-    rows = [(n, r) for n, r in rows if r and "skipped" not in r]
-    if depth is None:
-        depth = max((len(r.get("acc_cond") or []) for _, r in rows), default=0)
-    depth_cols = [f"acc_cond@{k}" for k in range(2, depth + 1)]
-    head = ["acc0", *depth_cols, "E[A]@S3", "E[A]@S7", "tau@3", "tau"]
-    lines = [f"| {label} | samples | answer budget | " + " | ".join(head) + " |", "|---" * (len(head) + 3) + "|"]
-    for name, r in rows:
-        acc = list(r.get("acc_cond") or [])
-        vals = {"acc0": r.get("acc0", acc[0] if acc else None), "tau": r.get("tau")}
-        vals.update({f"acc_cond@{k}": r.get(f"acc_cond@{k}", acc[k - 1] if len(acc) >= k else None) for k in range(2, depth + 1)})
-        vals.update({k: r.get(k) for k in ("E[A]@S3", "E[A]@S7", "tau@3")})
-        lines.append(f"| {name} | {r.get('samples', '')} | {budget} | " + " | ".join(_f(vals[h]) for h in head) + " |")
-    return lines
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -124,35 +100,6 @@ def markdown(results: dict[str, Any]) -> str:
         if served:
             lines += ["", f"Served speedup: vLLM output tokens/s with the draft / without it, same prompts and server settings, on {eng.get('machine')}."]
     return "\n".join(lines) + "\n"
-
-
-def results_protocol(meta: dict[str, Any], missing: str = "–") -> str:
-    """The draft-sampling protocol a results.json's figures were decoded under: its own record, or for results written
-    before it was recorded, the name eval/sampling.py gives their temperature and draft_sample_method."""
-    if meta.get("protocol"):
-        return str(meta["protocol"])
-    if meta.get("temperature") is None:
-        return missing
-    from deepspec.eval.sampling import protocol_name
-
-    return protocol_name(float(meta["temperature"]), str(meta.get("draft_sample_method") or "probabilistic"))
-
-
-def served_verdict(v: dict[str, Any] | None) -> str:
-    """The engine-vs-ours per-depth verdict (eval/engine.py served_as_trained) in a few words."""
-    if not v or not v.get("decided"):
-        return "not decided" + (f" ({v['why']})" if v and v.get("why") else "")
-    where = f"depth {v['worst_depth']}: {100 * (v['worst_relative_diff'] or 0):+.1f}%"
-    return f"yes (worst {where})" if v["ok"] else f"**NO** ({where}, tolerance {100 * v['tolerance']:.0f}%)"
-
-
-def overall_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The two labelled overall rows: every round pooled, and the mean over benchmarks (when there is one)."""
-    rows = [("**overall (pooled)**", results["overall"])]
-    mean = results.get("overall_benchmark_mean")
-    if mean and "tau" in mean:
-        rows.append(("**overall (benchmark mean)**", mean))
-    return rows
 
 
 def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:

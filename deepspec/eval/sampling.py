@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-GREEDY_EPS = 1e-5  # temperatures below this are greedy (as DeepSpec and vLLM treat them)
+from deepspec.results import GREEDY_EPS, is_greedy, protocol_name  # noqa: F401 (the names sampling's users import)
+
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 
 
@@ -33,15 +34,6 @@ def draft_temperature(temperature: float, method: str) -> float:
     if method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {method!r}")
     return temperature if method == "probabilistic" else 0.0
-
-
-def protocol_name(temperature: float, method: str) -> str:
-    """How a figure was measured, for reports: 'greedy (T=0)' or '<method> drafts, T=<t>'."""
-    return "greedy (T=0)" if is_greedy(temperature) else f"{method} drafts, T={temperature:g}"
-
-
-def is_greedy(temperature: float) -> bool:
-    return temperature < GREEDY_EPS
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

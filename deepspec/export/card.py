@@ -8,10 +8,10 @@ a field without a measurement says "not measured". Nothing here is estimated.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from deepspec.results import fmt, results_protocol, served_verdict
 from deepspec.targets.taps import to_dflash_layer_ids, to_vllm_aux_ids
 
 NOT_MEASURED = "not measured"
@@ -20,25 +20,13 @@ ALGORITHM_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return NOT_MEASURED
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
+    return fmt(x, digits, NOT_MEASURED)
 
 
 def _algorithm_name(algo: str, model: dict[str, Any]) -> str:
     if algo == "eagle3" and (model.get("fc_norm") or model.get("norm_output")):
         return "EAGLE-3.1"
     return ALGORITHM_NAMES.get(algo, algo)
-
-
-def find_eval_results(checkpoint: Path, explicit: str | Path | None = None) -> dict[str, Any] | None:
-    """The checkpoint's eval results.json (explicit path first, then `<checkpoint>/eval/results.json`)."""
-    for cand in ([Path(explicit)] if explicit else []) + [Path(checkpoint) / "eval" / "results.json"]:
-        if cand.is_file():
-            return json.loads(cand.read_text())
-    return None
 
 
 def _resolved_config(checkpoint: Path) -> dict[str, Any]:
@@ -118,8 +106,6 @@ def _acceptance(results: dict[str, Any] | None) -> list[str]:
     if not results:
         return [f"Held-out acceptance: {NOT_MEASURED} (no eval results.json for this checkpoint; run `deepspec eval` first)."]
     meta = results.get("meta", {})
-    from deepspec.eval.report import results_protocol
-
     depth = max((len(t.get("acc_cond") or []) for t in results.get("tasks", {}).values()), default=0)
     head = "| split | samples | acc0 | " + " | ".join(f"α{k}" for k in range(1, depth + 1)) + " | E[A]@S3 | E[A]@S7 | τ@3 | τ (chain of S) | speedup (HF loop) |"
     lines = [
@@ -145,8 +131,6 @@ def _served(results: dict[str, Any] | None) -> list[str]:
     s = eng.get("num_speculative_tokens")
     machine = eng.get("machine") or ", ".join(sorted(set(map(str, (results.get("meta") or {}).get("devices") or [])))) or NOT_MEASURED
     version = f" {eng['engine_version']}" if eng.get("engine_version") else ""
-    from deepspec.eval.report import results_protocol, served_verdict
-
     proto = eng.get("protocol") or results_protocol((results or {}).get("meta") or {}, NOT_MEASURED)
     lines = [f"vLLM{version} with {s} speculative tokens per round on {machine}, {proto} on both sides.", "",
              "| split | vLLM mean acceptance length | ours τ@S | served as trained (per depth, T = 0) | tok/s alone (1 request) | "

@@ -361,7 +361,8 @@ def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tenso
     the new one), also for a server loading it meanwhile."""
     from safetensors.torch import save_file
 
-    from deepspec.export.card import find_eval_results, model_card
+    from deepspec.export.card import model_card
+    from deepspec.results import find_eval_results
 
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
