@@ -129,6 +129,25 @@ def test_tap_validation_and_translation():
     assert default_taps(36, 5) == [1, 9, 17, 25, 33]  # DeepSpec's Qwen3-4B/8B taps
 
 
+def test_the_cache_and_the_draft_resolve_taps_by_one_rule():
+    """The cache stores the taps the draft built on it reads: both call targets/taps.py resolve_taps, so an unsorted list
+    is refused before the cache is built, not after."""
+    from types import SimpleNamespace
+
+    from deepspec.config.model import ModelConfig
+    from deepspec.data.cache.writer import resolve_taps as cache_taps
+    from deepspec.drafts.registry import get_algorithm
+    from deepspec.targets.taps import resolve_taps
+
+    assert resolve_taps([], 30) == default_taps(30) and resolve_taps([], 36, 5) == [1, 9, 17, 25, 33]
+    for algo in ("eagle3", "dflash"):
+        cfg = SimpleNamespace(model=ModelConfig(algorithm=algo))
+        count = get_algorithm(algo).default_num_taps
+        assert cache_taps(cfg, 36) == resolve_taps([], 36, count)
+    with pytest.raises(ConfigError, match="increasing layer order.*give \\[1, 5\\]"):
+        cache_taps(SimpleNamespace(model=ModelConfig(algorithm="eagle3", target_layer_ids=[5, 1])), 12)
+
+
 @pytest.mark.slow
 def test_embedded_target_answers_gsm8k_question(smollm2_dir):
     from deepspec.targets import load_target

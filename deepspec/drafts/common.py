@@ -13,7 +13,7 @@ from deepspec.drafts.base import DraftModel
 from deepspec.drafts.layers import DraftArch, arch_from_target, softcap
 from deepspec.drafts.losses import gemm_dtype
 from deepspec.drafts.vocab import build_draft_vocab, target_ids_of_draft_vocab
-from deepspec.errors import CheckpointError, ConfigError
+from deepspec.errors import CheckpointError
 
 
 class TargetBackedDraft(DraftModel):
@@ -34,17 +34,11 @@ class TargetBackedDraft(DraftModel):
 
     @classmethod
     def from_target_config(cls, target_config: Any, model_cfg: Any) -> "TargetBackedDraft":
-        from deepspec.targets.taps import default_taps, validate_taps
+        from deepspec.targets.taps import resolve_taps
 
         model_cfg.validate()
         cfg = getattr(target_config, "text_config", None) or target_config
-        taps = list(model_cfg.target_layer_ids) or default_taps(cfg.num_hidden_layers, cls.default_num_taps)
-        validate_taps(taps, cfg.num_hidden_layers)
-        if taps != sorted(taps):
-            raise ConfigError(
-                f"model.target_layer_ids {taps} must be in increasing layer order: engines concatenate the tapped states by layer "
-                f"index, so give {sorted(taps)}."
-            )
+        taps = resolve_taps(model_cfg.target_layer_ids, cfg.num_hidden_layers, cls.default_num_taps)
         qk_norm = model_cfg.qk_norm if getattr(model_cfg, "qk_norm", None) is not None else cls.default_qk_norm
         arch = arch_from_target(target_config, model_cfg, qk_norm=qk_norm)
         return cls(arch, model_cfg, taps)

@@ -53,6 +53,19 @@ def validate_taps(taps: Sequence[int], num_layers: int) -> list[int]:
     return taps
 
 
+def resolve_taps(explicit: Sequence[int], num_layers: int, default_count: int = 3) -> list[int]:
+    """The taps a draft reads and a cache stores: `model.target_layer_ids` when given, else the algorithm's default
+    count spread by `default_taps`; validated, in increasing layer order. The one rule both stages use, so a cache and
+    the draft built on it always agree."""
+    taps = validate_taps(list(explicit) or default_taps(num_layers, default_count), num_layers)
+    if taps != sorted(taps):
+        raise ConfigError(
+            f"model.target_layer_ids {taps} must be in increasing layer order: engines concatenate the tapped states by layer "
+            f"index, so give {sorted(taps)}."
+        )
+    return taps
+
+
 def to_vllm_aux_ids(taps: Sequence[int]) -> list[int]:
     """Our tap k -> vLLM/speculators aux id k+1 (the hidden state entering layer k+1)."""
     return [k + 1 for k in taps]

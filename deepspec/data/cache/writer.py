@@ -123,7 +123,7 @@ def resolve_taps(cfg, num_layers: int) -> list[int]:
     """The taps to cache: model.target_layer_ids, or the draft algorithm's default for this depth
     (the same rule the draft uses when it is built, so the cache and the draft agree)."""
     from deepspec.errors import ConfigError
-    from deepspec.targets import default_taps, validate_taps
+    from deepspec.targets.taps import resolve_taps
 
     count = 3
     if not cfg.model.target_layer_ids:
@@ -133,8 +133,7 @@ def resolve_taps(cfg, num_layers: int) -> list[int]:
             count = int(getattr(get_algorithm(cfg.model.algorithm), "default_num_taps", 3))
         except (ConfigError, ImportError):
             pass
-    taps = list(cfg.model.target_layer_ids) or default_taps(num_layers, count)
-    return validate_taps(taps, num_layers)
+    return resolve_taps(cfg.model.target_layer_ids, num_layers, count)
 
 
 def tap_rows(cfg, target_config) -> tuple[int, str, int]:
