@@ -138,6 +138,15 @@ class CacheConfig:
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device: str = ""  # RDMA devices (e.g. mlx5_0); empty for tcp
     mooncake_host: str = ""  # this machine's address as the others reach it; empty = the interface that routes to the master
+    # The capture audit (docs/data.md) right after a build: `audit_records` records spread over the cache are checked for
+    # non-finite, zero and constant rows and for their norms, `audit_recompute` of them recomputed in transformers.
+    audit: bool = True
+    audit_records: int = 16
+    audit_recompute: int = 2
+    # Training start checks the crc32 of at most start_check_mb MiB of records drawn from start_check_shards random
+    # shards of each cache (0: off; null: every byte, as `deepspec data cache --verify` does).
+    start_check_mb: float | None = 256.0
+    start_check_shards: int = 4
 
     def validate(self) -> None:
         if self.max_length < 8:
@@ -158,5 +167,9 @@ class CacheConfig:
                                   "mounts) for a run that should also leave the offline cache.")
             if self.mooncake_protocol not in ("tcp", "rdma"):
                 raise ConfigError(f"cache.mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}.")
+        if self.audit_records < 1 or self.audit_recompute < 0 or self.start_check_shards < 1:
+            raise ConfigError(f"cache.audit_records={self.audit_records} and cache.start_check_shards={self.start_check_shards} must be "
+                              f">= 1 and cache.audit_recompute={self.audit_recompute} >= 0 (turn the checks off with cache.audit=false "
+                              "and cache.start_check_mb=0).")
         if self.max_gb is not None and self.max_gb <= 0:
             raise ConfigError(f"cache.max_gb={self.max_gb} must be positive (or null for no limit but the free disk).")

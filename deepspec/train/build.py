@@ -130,7 +130,18 @@ def open_cache_datasets(cfg):
         val = open_cache(cfg.cache_heldout_dir, cfg=cfg)
     else:
         log.warning("no held-out cache at %s: training without validation", cfg.cache_heldout_dir)
+    check_before_training(cfg, [ds.directory for ds in (train, val) if ds is not None])
     return train, val
+
+
+def check_before_training(cfg, directories: list[Path]) -> None:
+    """Refuse a cache whose capture audit failed or whose sampled shards fail their checksums (one sentence each)."""
+    from deepspec.data.cache.audit import require_passed
+    from deepspec.data.cache.verify import check_at_start
+
+    for d in directories:
+        require_passed(d)
+        check_at_start(d, cfg.cache.start_check_mb, cfg.cache.start_check_shards)
 
 
 class OnlineData:

@@ -536,6 +536,7 @@ class CaptureSession:
 
     def __init__(self) -> None:
         self._engine = None
+        self.audit_model = None  # the target as transformers loads it, for the capture audit of each split (audit.py)
 
     def engine(self, make):
         if self._engine is None:
@@ -789,6 +790,9 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
         save_config(cfg, directory)
         finalize(directory, plan, target_identity(tconf, plan))  # the manifest goes last
         log.info("cache %s complete: %s", split, directory)
+        from deepspec.data.cache.audit import audit_after_build
+
+        audit_after_build(cfg, directory, session)  # audit.json beside the manifest; a failed capture stops here
     if world_env > 1:
         _barrier()
     return directory
