@@ -89,6 +89,7 @@ def _compiles() -> int:
         ("eagle3", {"activation_checkpointing": True}),  # the TTT chain, its layers recomputed in the backward
         ("dflash", {}),
         ("dspark", {"activation_checkpointing": True}),
+        ("dflash2", {"conv_group_size": 16, "selector_rank": 8}),  # the block convolutions stay eager between regions
     ],
 )
 def test_compiled_layers_equal_eager_and_reuse_their_graphs_across_lengths(algorithm, fields):

@@ -20,7 +20,7 @@ from deepspec.train.batches import pack_batch
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-ALGORITHMS = ["eagle3", "dflash", "dspark"]
+ALGORITHMS = ["eagle3", "dflash", "dspark", "dflash2"]
 
 
 def _draft(algorithm: str, window: int | None = None, num_anchors: int = 4):
@@ -255,7 +255,8 @@ def test_attention_shapes_come_from_a_few_buckets(algorithm, packed):
     assert len(exact) > limit
 
 
-LIMITS = {("eagle3", False): 12, ("eagle3", True): 12, ("dflash", False): 8, ("dflash", True): 8, ("dspark", False): 8, ("dspark", True): 8}
+LIMITS = {("eagle3", False): 12, ("eagle3", True): 12, ("dflash", False): 8, ("dflash", True): 8, ("dspark", False): 8, ("dspark", True): 8,
+          ("dflash2", False): 8, ("dflash2", True): 8}
 
 
 def test_a_ladder_length_sample_keeps_its_length_with_the_sentinel_row(monkeypatch):

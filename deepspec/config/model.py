@@ -15,7 +15,7 @@ from deepspec.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    algorithm: str = "eagle3"  # a name in deepspec.drafts.REGISTRY: eagle3 | dflash | dspark
+    algorithm: str = "eagle3"  # a name in deepspec.drafts.REGISTRY: eagle3 | dflash | dspark | dflash2
     # Taps in our convention; empty = the algorithm's default for the target depth.
     target_layer_ids: list[int] = field(default_factory=list)
     num_draft_layers: int = 1
@@ -80,6 +80,14 @@ class ModelConfig:
     l1_loss_alpha: float = 0.9
     confidence_head_alpha: float = 1.0
     confidence_threshold: float = 0.0
+    # DFlash2 (vLLM's DFlash2DraftModel): an input-conditioned causal convolution over the block's slots around each
+    # layer's attention and MLP (conv_kernel_size taps; one dynamic coefficient per conv_group_size channels), and a
+    # candidate selector that rescores the top selector_top_k tokens of each slot by a rank-selector_rank bilinear term
+    # in the token drafted before it.
+    conv_kernel_size: int = 3
+    conv_group_size: int = 64
+    selector_rank: int = 64
+    selector_top_k: int = 8
     # Full-vocabulary softmax/TV computed in chunks of this many rows (memory bound).
     vocab_chunk_rows: int = 1024
     # Per draft layer: "full_attention" or "sliding_attention" (keys within `sliding_window` positions of
@@ -114,7 +122,7 @@ class ModelConfig:
             raise ConfigError(f"model.label_temperature must be > 0 (1 = the target's own distribution), got {self.label_temperature}.")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ConfigError(f"model.draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary).")
-        if self.qk_norm is False and self.algorithm in ("dflash", "dspark"):
+        if self.qk_norm is False and self.algorithm in ("dflash", "dspark", "dflash2"):
             raise ConfigError(
                 f"model.qk_norm=false is not available for {self.algorithm}: vLLM and SGLang build its draft layers with q/k "
                 "norms; leave model.qk_norm null."
@@ -145,7 +153,7 @@ def block_window_error(algorithm: str, block_size: int, layer_types: list[str] |
     vLLM and SGLang run the bidirectional block with a symmetric window (|q - k| < window) that also hides block slots
     that far ahead. The rules agree exactly when window >= block_size (a block spans block_size - 1 positions), so a
     shorter window is refused rather than trained under one rule and served under another."""
-    if algorithm not in ("dflash", "dspark") or not layer_types or "sliding_attention" not in layer_types or sliding_window is None:
+    if algorithm not in ("dflash", "dspark", "dflash2") or not layer_types or "sliding_attention" not in layer_types or sliding_window is None:
         return None
     if sliding_window >= block_size:
         return None

@@ -8,7 +8,8 @@ import importlib
 from deepspec.errors import ConfigError
 
 # name -> module that defines and registers it (imported on first use)
-_MODULES = {"eagle3": "deepspec.drafts.eagle3", "dflash": "deepspec.drafts.dflash", "dspark": "deepspec.drafts.dspark"}
+_MODULES = {"eagle3": "deepspec.drafts.eagle3", "dflash": "deepspec.drafts.dflash", "dspark": "deepspec.drafts.dspark",
+            "dflash2": "deepspec.drafts.dflash2"}
 REGISTRY: dict[str, type] = {}
 
 
