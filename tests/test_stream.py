@@ -184,6 +184,17 @@ def _wait(cond, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _stalled(spool: Path) -> int:
+    """Wait until the trainer's reads stop (none for 2 s); returns how many there were."""
+
+    def still():
+        n = len(_reads(spool))
+        time.sleep(2.0)
+        return n == len(_reads(spool)) and n + 1
+
+    return _wait(still, 60, "the trainer to stall") - 1
+
+
 @pytest.mark.slow
 def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(recipe, reference):
     """2 gloo workers fed by a separately started producer; SIGKILL it mid-epoch: the trainer waits (no read is lost or
@@ -202,12 +213,7 @@ def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(rec
         os.kill(producer.pid, signal.SIGKILL)
         producer.wait()
 
-        def stalled():  # the reads stop once what the dead producer left in the spool is used up
-            n = len(_reads(spool))
-            time.sleep(2.0)
-            return n == len(_reads(spool)) and n + 1
-
-        stalled_at = _wait(stalled, 60, "the trainer to stall") - 1
+        stalled_at = _stalled(spool)  # the reads stop once what the dead producer left in the spool is used up
         assert stalled_at < STEPS * GLOBAL and trainer.poll() is None, stalled_at
         producer = _producer(recipe, opts)
         out, err = trainer.communicate(timeout=300)
@@ -227,9 +233,11 @@ def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(rec
 
 @pytest.mark.slow
 def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recipe, reference):
-    """train.sh with 2 workers and the trainer's own producer; rank 0 SIGKILLed after step 5 (last checkpoint: step 4):
-    its producer stops with it; the rerun resumes at step 4, a new producer makes steps 4.. again (their records were
-    read and deleted), and the resumed run reads exactly the plan's samples of steps 4..11."""
+    """train.sh with 2 workers and the trainer's own producer; rank 0 SIGKILLed after step 5 (last checkpoint: step 4),
+    with records of the next step (plan step 5, counted from 0) already prefetched, read and deleted but never trained,
+    and those of plan step 4 trained but in no checkpoint: its producer stops with it; the
+    rerun resumes at step 4, a new producer makes steps 4.. again, and the ledgers, the lines written before the crash
+    included, count every sample exactly once per epoch: what was read after the checkpoint is not counted twice."""
     from deepspec.config import load_config
     from deepspec.data.cache.stream import spool_dir
 
@@ -241,16 +249,70 @@ def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recip
     assert crashed.returncode != 0, err[-2000:]
     assert os.path.realpath(cfg.run_dir / "step_latest").endswith("step_4")
     _wait(lambda: (json.loads((spool / "producer.0.json").read_text()).get("state") == "stopped"), 30, "the orphaned producer to stop")
-    before = {p.name: len(p.read_text().splitlines()) for p in spool.glob("ledger.*.jsonl")}
+    read_for = Counter(r["step"] for r in _reads(spool))
+    assert 0 < read_for[5] and all(read_for[s] == GLOBAL for s in range(5)), read_for  # plan step 5 read, not trained
     rerun = _train_sh(recipe, opts)
     _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err[-3000:]
     assert "resuming from" in err and "step 4" in err
-    _, order = _plan(cfg)
-    resumed = [json.loads(line)["index"] for p in spool.glob("ledger.*.jsonl") for line in p.read_text().splitlines()[before.get(p.name, 0):]]
-    assert Counter(resumed) == Counter(i for s in range(4, STEPS) for i in order.global_indices(s))
+    _assert_each_sample_once_per_epoch(cfg, spool)  # both runs' lines: steps 0..3 before the crash, 4..11 after
     ref, got = _losses(reference), _losses(cfg.run_dir)
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(5, STEPS + 1)), (got, ref)
+
+
+def _weights(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_a_paused_producer_checkpoints_the_last_step_and_resumes_exactly(recipe, reference):
+    """2 gloo workers fed by a producer that is then paused (SIGSTOP): the trainer waits for the spool; SIGTERM to
+    train.sh stops it at once (the ranks stop waiting, agree, checkpoint their last finished step; exit 143, one
+    line), not after cache.stream_timeout_s or the launcher's grace. The producer continues (SIGCONT), the same command
+    resumes: the final weights are the uninterrupted run's, and the ledgers count every sample once per epoch."""
+    from deepspec.config import load_config
+    from deepspec.data.cache.stream import spool_dir
+
+    opts = _opts("sigterm-wait", 0)
+    cfg = load_config(recipe, opts)
+    spool = spool_dir(cfg)
+    trainer = _train_sh(recipe, opts, DEEPSPEC_PREEMPT_GRACE_S="100")
+    producer = _producer(recipe, opts)
+    try:
+        _wait(lambda: len(_reads(spool)) >= 10, 180, "10 reads")
+        os.kill(producer.pid, signal.SIGSTOP)
+
+        stalled_at = _stalled(spool)  # what the producer made before it paused is read; then the trainer waits
+        assert stalled_at < STEPS * GLOBAL and trainer.poll() is None, stalled_at
+        t0 = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        _, err = trainer.communicate(timeout=90)
+        stopped_s = time.monotonic() - t0
+        assert trainer.returncode == 143, err[-3000:]
+        finished = max(_losses(cfg.run_dir))  # the last step that trained (every step is logged)
+        assert 0 < finished < STEPS and stopped_s < 30, (finished, stopped_s)
+        assert os.path.realpath(cfg.run_dir / "step_latest").endswith(f"step_{finished}")  # steps lost: 0
+        assert f"SIGTERM received: stopped after step {finished} with checkpoint step_{finished}" in err, err[-3000:]
+        assert err.count("stopped by SIGTERM") == 1, err[-3000:]  # the launcher's one line
+        os.kill(producer.pid, signal.SIGCONT)
+        rerun = _train_sh(recipe, opts)
+        _, err = rerun.communicate(timeout=300)
+        assert rerun.returncode == 0, err[-3000:]
+        assert f"resuming from {cfg.run_dir / f'step_{finished}'}" in err, err[-3000:]
+        _, p_err = producer.communicate(timeout=60)
+        assert producer.returncode == 0, p_err[-3000:]
+    finally:
+        for p in (trainer, producer):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+    ref, got = _weights(reference / f"step_{STEPS}"), _weights(cfg.run_dir / f"step_{STEPS}")
+    assert ref.keys() == got.keys() and all((got[k].double() - ref[k].double()).abs().max() < 1e-5 for k in ref)
+    ref_loss, got_loss = _losses(reference), _losses(cfg.run_dir)
+    assert all(abs(got_loss[s] - ref_loss[s]) < 1e-5 for s in range(finished + 1, STEPS + 1)), (got_loss, ref_loss)
+    _assert_each_sample_once_per_epoch(cfg, spool)
 
 
 def _free_port() -> int:
@@ -322,12 +384,7 @@ def test_a_mooncake_spool_trains_like_the_offline_cache_and_survives_a_killed_pr
             os.kill(first.pid, signal.SIGKILL)
             first.wait()
 
-            def stalled():
-                n = len(_reads(spool))
-                time.sleep(2.0)
-                return n == len(_reads(spool)) and n + 1
-
-            seen["stalled_at"] = _wait(stalled, 60, "the trainer to stall") - 1
+            seen["stalled_at"] = _stalled(spool)
             second = _producer(recipe, opts)
             seen["second"] = second.communicate(timeout=300)
             seen["rc"] = second.returncode

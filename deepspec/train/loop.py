@@ -48,7 +48,7 @@ from deepspec.train.optim import build_optimizer, build_scheduler, describe_para
 from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, wrap
 from deepspec.train.compile import compile_draft
 from deepspec.train.guard import NonFiniteGuard
-from deepspec.train.preemption import PreemptionWatch
+from deepspec.train.preemption import PreemptionWatch, WaitPreempted
 from deepspec.train.precision import resolve_precision, setup_precision
 from deepspec.drafts.plan import use_buckets
 from deepspec.train.loader import build_loader, resolve_depth, resolve_processes, step_planner
@@ -208,6 +208,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     n_micro = plan.accum_steps
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     preempt = PreemptionWatch(info.is_main)  # SIGTERM / SIGUSR1: checkpoint the step, exit 128 + signal
+    staged = preempt.wait_vote(staged, parts.train_data)  # a read that waits (a spool) gives up on a signal, all ranks agree
     guard = NonFiniteGuard(tcfg.max_nonfinite_steps, plan, parts.train_data, info.is_main)
     try:
         while step < total_steps:
@@ -296,6 +297,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash/resume tests
             if step < total_steps and preempt.requested():  # every rank agrees at the same step
                 preempt.stop(step, lambda: last_dir == run_dir / f"step_{step}" or save(step, None))
+    except WaitPreempted:  # every rank stopped waiting for its data mid-step: the same stop, at the last finished step
+        preempt.stop(step, lambda: last_dir == run_dir / f"step_{step}" or save(step, None))
     finally:
         preempt.close()
         loader.close()

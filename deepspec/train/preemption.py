@@ -10,6 +10,12 @@ Kubernetes Job's restart policy restarts it, and the same command resumes from e
 
 The torchrun wrapper (`python -m deepspec.train.launcher`, what scripts/train/train.sh runs) forwards both signals to
 the workers and waits `DEEPSPEC_PREEMPT_GRACE_S` seconds (default 120) for them before torchrun's SIGKILL.
+
+A rank of a streamed run may wait for its data (the spool, up to cache.stream_timeout_s) where no step boundary comes:
+its reader polls `pending()` and gives up with `WaitPreempted`. The other ranks may hold their data and be about to
+enter the step's collectives, where they would wait for this rank for good; so for such datasets every micro-batch's
+fetch is followed by one vote (`WaitVote`), taken before any of the step's collectives: all ranks learn together that
+one of them stopped waiting, and the loop writes the checkpoint of its last finished step as at a step boundary.
 """
 
 from __future__ import annotations
@@ -47,6 +53,20 @@ class Preempted(SystemExit):
         self.signum, self.step = signum, step
 
 
+class WaitPreempted(Exception):
+    """A data read gave up waiting because training is being preempted (raised in the loader, and again by `WaitVote`
+    on every rank once the ranks agreed: the loop then checkpoints its last finished step and exits)."""
+
+
+_PENDING = threading.Event()  # set by the signal handler (main thread), read by loader threads that wait for data
+
+
+def pending() -> bool:
+    """True once this process was asked to stop (a signal, or the ranks' agreement): a reader waiting for data that
+    has not come should give up (raise WaitPreempted) instead of waiting out its timeout."""
+    return _PENDING.is_set()
+
+
 class PreemptionWatch:
     """Turns SIGTERM / SIGUSR1 into a flag that every rank reads at the same step.
 
@@ -58,6 +78,7 @@ class PreemptionWatch:
         self.signum = 0
         self.received_at = 0.0
         self._previous: dict[int, object] = {}
+        _PENDING.clear()  # a new run in this process (tests): an earlier run's stop does not carry over
         import torch.distributed as dist
 
         self._group = None
@@ -74,22 +95,35 @@ class PreemptionWatch:
     def _handle(self, signum: int, frame) -> None:
         if not self.signum:
             self.signum, self.received_at = signum, time.monotonic()
+        _PENDING.set()
 
     def requested(self) -> bool:
         """True on every rank once any rank received a signal (collective when there are several ranks)."""
         if not self._multi:
             return bool(self.signum)
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        agreed = int(flag.item())
+        agreed = self._vote(self.signum)
         # A signal whose handler ran during the all-reduce (Python runs it as the call returns) is not in `agreed`:
         # keep it for the next step's vote rather than overwrite it with 0, and answer what every rank agreed on.
         if agreed:
             self.signum = agreed
+            _PENDING.set()  # a reader prefetching ahead on a rank the signal missed stops waiting: the loader can close
         return bool(agreed)
+
+    def _vote(self, signum: int) -> int:
+        """The largest `signum` over the ranks (one all-reduce; this rank's value alone when it is the only one)."""
+        if not self._multi:
+            return signum
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([signum], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
+
+    def wait_vote(self, batches, dataset):
+        """`batches` with a vote after each fetch when `dataset` may wait for its data (`dataset.waits`: the spool of
+        a streamed run), else `batches` unchanged: no collective added where no read can stall."""
+        return WaitVote(batches, self) if getattr(dataset, "waits", False) else batches
 
     def stop(self, step: int, save: Callable[[], object]) -> None:
         """Write the checkpoint of `step` (every rank; `save` is a no-op when it exists), log one line, raise Preempted."""
@@ -108,6 +142,33 @@ class PreemptionWatch:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous = {}
+
+
+class WaitVote:
+    """Iterates the loader's (step, micro index, batch, ...) and, after each fetch, agrees with the other ranks on
+    whether any of them gave up waiting for its data (the fetch raised WaitPreempted). Every rank fetches, and so
+    votes, at the same point of every micro-batch, before the micro-batch's forward and backward: a rank whose data
+    came never waits in a gradient collective for one whose data did not. On agreement every rank raises
+    WaitPreempted (the loop checkpoints its last finished step: a partly accumulated step is simply dropped)."""
+
+    def __init__(self, batches, watch: PreemptionWatch):
+        self.batches, self.watch = iter(batches), watch
+
+    def __iter__(self) -> "WaitVote":
+        return self
+
+    def __next__(self):
+        try:
+            item, gave_up = next(self.batches), 0
+        except WaitPreempted:
+            item, gave_up = None, self.watch.signum or int(signal.SIGTERM)
+        agreed = self.watch._vote(gave_up)
+        if agreed:
+            if not self.watch.signum:
+                self.watch.signum, self.watch.received_at = agreed, time.monotonic()
+            _PENDING.set()  # this rank's own reader stops waiting too
+            raise WaitPreempted(f"stopped waiting for data: {signal.Signals(self.watch.signum).name}")
+        return item
 
 
 # ----------------------------------------------------------------------------- data stages

@@ -17,8 +17,10 @@ store across nodes: channel.py, cache.spool_transport):
   The rank that reads a record deletes it (or, with `cache.spool_keep`, moves it to ``kept/``: keep.py).
 * ``producer.<w>.json`` — each producer's heartbeat: what it made, the spool bytes it holds and its peak, how long
   it waited for the trainer or for room.
-* ``ledger.<rank>.jsonl`` — every record a rank read (index and id): what was trained, countable after the fact
-  (always a file, in the rank's own spool folder).
+* ``ledger.<rank>.jsonl`` — every record a rank read (index, id, and the step it is read for): what was trained,
+  countable after the fact (always a file, in the rank's own spool folder). Lines of steps after the last checkpoint
+  are provisional: a run killed there read records it never trained, and its resume drops those lines
+  (`commit_ledgers`) before it reads them again, so the ledgers count each record once per epoch across crashes.
 * ``done.<rank>`` — the rank read its last record (with its read count and how long it waited for producers);
   producers exit when every rank is done.
 
@@ -46,6 +48,7 @@ import numpy as np
 from deepspec.data.cache import format as fmt
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
+from deepspec.train import preemption
 
 log = get_logger(__name__)
 
@@ -169,6 +172,23 @@ def start_cursors(doc: dict[str, Any]) -> list[int] | None:
     return [int(doc["start_step"]) * G + r for r in range(world)]
 
 
+def commit_ledgers(folder: Path, start_step: int) -> int:
+    """Drop the ledger lines (of every rank's ledger in `folder`) read for steps >= `start_step`, the step training
+    resumes at: their records were read before a crash or a preemption, never trained into a checkpoint, and are
+    read again. Atomic per file and idempotent (the ranks of one node may all run it). Returns the lines dropped."""
+    dropped = 0
+    for path in sorted(folder.glob("ledger.*.jsonl")):
+        lines = path.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", -1) < start_step]
+        if len(keep) == len(lines):
+            continue
+        dropped += len(lines) - len(keep)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    return dropped
+
+
 def heartbeats(channel) -> list[dict[str, Any]]:
     """Every producer's last heartbeat."""
     return [b for n in channel.names("producer.", ".json") if (b := get_json(channel, n)) is not None]
@@ -182,6 +202,7 @@ class SpoolDataset:
     it: the producers know what to make next."""
 
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
+    waits = True  # a read may wait for a producer: a preempted trainer must stop waiting (train/preemption.py)
 
     def __init__(self, channel, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
                  local: str | Path, timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):
@@ -293,6 +314,8 @@ class SpoolDataset:
             waited = time.monotonic() - t0
             if waited > self.timeout_s:
                 raise CacheError(self._stalled(i, waited))
+            if preemption.pending():  # SIGTERM / SIGUSR1: the ranks agree and checkpoint their last finished step
+                raise preemption.WaitPreempted(f"rank {self.rank} stopped waiting for sample {i} from the spool")
             if waited - said > 1:
                 self._fail_if_a_producer_failed()
             if waited - said > 1 and k is not None:  # a producer that (re)starts while we wait finds us
@@ -317,7 +340,7 @@ class SpoolDataset:
             consume(record_path(self.channel.folder, i), True, blob)
         else:
             self.channel.delete(name)
-        self._note(i, header)
+        self._note(i, header, None if k is None else k // self.global_batch)
         if k is not None:
             with self._lock:
                 self._expect.popleft()
@@ -326,10 +349,12 @@ class SpoolDataset:
                     self._finish()
         return fmt.record_item(data, 0, sample.length, len(self.taps), self.rows, self.hidden_size, self.dtype)
 
-    def _note(self, i: int, header: dict[str, Any]) -> None:
+    def _note(self, i: int, header: dict[str, Any], step: int | None) -> None:
+        """One ledger line; `step` (the step it is read for) lets a resume drop what was read but never trained."""
         if self._ledger is None:
             self._ledger = open(self.local / f"ledger.{self.rank}.jsonl", "a")
-        self._ledger.write(json.dumps({"index": i, "id": header["id"], "producer": header["producer"]}) + "\n")
+        line = {"index": i, "id": header["id"], "producer": header["producer"]}
+        self._ledger.write(json.dumps(line if step is None else {**line, "step": step}) + "\n")
         self._ledger.flush()
 
     def _fail_if_a_producer_failed(self) -> None:

@@ -351,13 +351,14 @@ def open_stream_datasets(cfg, info):
     reader: list = []  # this rank's SpoolDataset, once made (the producers' stop at exit asks whether it finished)
     spool = spool_dir(cfg)
     spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
+    start_step = _resume_step(cfg)
     channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
     if info.is_main:
         for stale in (f"{sp.DONE}.", "pos."):
             channel.delete_matching(stale)
         doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total_steps, bucketing=cfg.train.bucketing)
         # where the ranks will start reading, so producers fill the first steps while the trainer still builds its model
-        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world, "start_step": _resume_step(cfg)})
+        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world, "start_step": start_step})
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
 
@@ -371,6 +372,10 @@ def open_stream_datasets(cfg, info):
         else:
             log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
                      "(the same recipe and --opts); spool %s", spool)
+    # what was read for steps after the checkpoint we resume from was never trained: it is read (and logged) again
+    dropped = sp.commit_ledgers(spool, start_step)
+    if dropped and info.is_main:
+        log.info("ledger: %d read(s) after the resumed checkpoint were never trained; they are read again", dropped)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     _, _, rows = tap_rows(cfg, tconf)
