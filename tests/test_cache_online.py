@@ -150,7 +150,7 @@ def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on
 
 def test_validation_and_the_loader_thread_take_turns_on_the_target(fp32_cache, tiny_llama_dir, one_torch_thread):
     """Tap hooks catch every forward of a tapped layer, whoever runs it: validation on the trainer's thread and the
-    loader thread prefetching training batches (train.num_workers = 2) share one target, so they must never run it
+    loader thread prefetching training batches (train.prefetch_depth = 2) share one target, so they must never run it
     at once, and each must get its own samples' features."""
     import threading
     import time

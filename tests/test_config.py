@@ -114,6 +114,22 @@ def test_wrong_type_in_yaml(tmp_path):
         load_config(tmp_path / "c.yaml")
 
 
+def test_a_renamed_key_is_read_under_its_old_name_with_a_warning(tmp_path, logs):
+    from deepspec.config import load_config
+
+    assert load_config(None, ["train.num_workers=3"]).train.prefetch_depth == 3
+    assert "'train.num_workers' is now 'train.prefetch_depth'" in logs.text
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  num_workers: 1\n")
+    assert load_config(recipe).train.prefetch_depth == 1
+    recipe.write_text("train:\n  num_workers: 1\n  prefetch_depth: 2\n")
+    with pytest.raises(ConfigError, match="Both 'train.prefetch_depth' and its old name are set"):
+        load_config(recipe)
+    logs.clear()
+    recipe.write_text("train:\n  num_workers: null\n")  # an older run's saved config.yaml: read silently
+    assert load_config(recipe).train.prefetch_depth is None and "now" not in logs.text
+
+
 def test_section_validation():
     with pytest.raises(ConfigError, match="mutually exclusive"):
         load_config(None, ["model.norm_before_fc=true"])  # fc_norm is on by default
@@ -167,7 +183,7 @@ def test_resuming_a_run_with_other_settings_names_them_and_stops_unless_allowed(
     step = tmp_path / "run" / "step_4"
     step.mkdir(parents=True)
     save_config(load_config(None, ["train.lr=3e-4", "run.name=x"]), step)
-    check_resume_settings(load_config(None, ["train.lr=3e-4", "run.name=x", "train.num_workers=0", "eval.max_new_tokens=5"]), step)
+    check_resume_settings(load_config(None, ["train.lr=3e-4", "run.name=x", "train.prefetch_depth=0", "eval.max_new_tokens=5"]), step)
     typo = load_config(None, ["train.lr=3e-3", "run.name=x", "model.block_size=5"])
     with pytest.raises(CheckpointError) as err:
         check_resume_settings(typo, step)

@@ -151,7 +151,11 @@ def named_keys(path: Path) -> set[str]:
 
 
 def key_exists(name: str) -> bool:
-    """Walk the dataclasses; a dict-typed field accepts any sub-key (e.g. target.chat_template_kwargs.enable_thinking)."""
+    """Walk the dataclasses; a dict-typed field accepts any sub-key (e.g. target.chat_template_kwargs.enable_thinking).
+    A renamed key's old name (deepspec/config/loader.py RENAMED) is still read, so it counts."""
+    from deepspec.config.loader import RENAMED
+
+    name = RENAMED.get(name, name)
     cls: typing.Any = Config
     parts = name.split(".")
     for i, part in enumerate(parts):

@@ -355,12 +355,12 @@ def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
 
 def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
     """The reference read its cache inline (the default on a CPU, where a loader thread has nothing to overlap);
-    train.num_workers=2 reads two micro-batches ahead in the background thread: same batches, same losses, same
+    train.prefetch_depth=2 reads two micro-batches ahead in the background thread: same batches, same losses, same
     weights. With nothing set, the thread is used on a GPU and for a streamed spool only."""
     from deepspec.train.batches import Prefetcher
     from deepspec.train.loader import resolve_depth
 
-    cfg = _cfg(recipe, "exp=thread", "train.num_workers=2")
+    cfg = _cfg(recipe, "exp=thread", "train.prefetch_depth=2")
     out, loader = _train_recording_the_loader(cfg)
     assert isinstance(loader, Prefetcher) and loader.depth == 2  # a thread two micro-batches ahead
     assert _losses(cfg.run_dir) == _losses(reference)

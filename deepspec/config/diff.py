@@ -11,7 +11,7 @@ from typing import Any
 # Dotted prefixes whose values may differ between a run and its resume.
 IGNORED = (
     "run.", "overrides", "eval.", "export.", "logging.",
-    "train.resume", "train.num_workers", "train.log_every", "train.save_every", "train.keep_last", "train.val_every",
+    "train.resume", "train.prefetch_depth", "train.log_every", "train.save_every", "train.keep_last", "train.val_every",
     "train.compile", "train.output_root", "train.preempt_grace_s", "train.max_bad_steps",
     "data.regenerate.engine", "data.regenerate.urls", "data.regenerate.concurrency_per_server",
     "data.regenerate.timeout_s", "data.regenerate.max_retries", "data.regenerate.batch_size",

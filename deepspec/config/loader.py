@@ -187,6 +187,23 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys renamed for what they mean: the old name is still read, with a warning that names the new one.
+RENAMED = {"train.num_workers": "train.prefetch_depth"}
+
+
+def _renamed(dotted: str, value: Any = True) -> str:
+    """The key's current name; a warning when an old name is given a value (saved configs of older runs carry the
+    old name with its null default: read silently)."""
+    new = RENAMED.get(dotted)
+    if new is None or value is None:
+        return new or dotted
+    from deepspec.log import get_logger
+
+    get_logger(__name__).warning("config key '%s' is now '%s' (it sets how many micro-batches a thread reads ahead); "
+                                 "the old name still works: rename it in your recipe", dotted, new)
+    return new
+
+
 def _unknown_key(key: str, root: type) -> ConfigError:
     keys = all_keys(root)
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
@@ -207,6 +224,11 @@ def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "", root: typ
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RENAMED:
+            dotted = _renamed(dotted, value)
+            key = dotted.rsplit(".", 1)[-1]
+            if key in data:
+                raise ConfigError(f"Both '{prefix}{key}' and its old name are set; keep '{prefix}{key}' only.")
         if key not in fields:
             raise _unknown_key(dotted, root)
         tp = hints[key]
@@ -251,6 +273,7 @@ def apply_opts(data: dict[str, Any], opts: list[str] | None, root: type) -> dict
     """Apply `--opts` to a raw mapping, parsing each value with the schema's type."""
     data = dict(data)
     for key, text in parse_opts(opts):
+        key = _renamed(key)
         parts = key.split(".")
         cls, node = root, data
         for i, part in enumerate(parts):

@@ -61,7 +61,7 @@ class TrainConfig:
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
     # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).
-    num_workers: int | None = None
+    prefetch_depth: int | None = None  # was `num_workers` (still read, with a warning)
     # DataLoader worker processes per rank (deepspec/train/loader.py). null / 0: the background thread, which reads
     # the cache faster than processes do (benchmarks/bench_loader.py); > 0 for Python-bound datasets.
     loader_processes: int | None = None
@@ -97,8 +97,8 @@ class TrainConfig:
             raise ConfigError(f"train.loader_processes must be >= 0 or null (auto), got {self.loader_processes}.")
         if self.max_nonfinite_steps < 0:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ConfigError(f"train.num_workers must be >= 0 or null (auto), got {self.num_workers}.")
+        if self.prefetch_depth is not None and self.prefetch_depth < 0:
+            raise ConfigError(f"train.prefetch_depth must be >= 0 or null (auto), got {self.prefetch_depth}.")
         if self.attention not in ("sdpa", "flex"):
             raise ConfigError(f"train.attention must be sdpa or flex (the block drafts' attention kernel), got {self.attention!r}.")
         if not (isinstance(self.compile, bool) or self.compile == "auto"):

@@ -198,7 +198,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         (s, m, idx) for s in range(start_step, total_steps) for m, idx in enumerate(plan.micro_batches(s, info.rank, lengths))
     )
     processes = resolve_processes(tcfg.loader_processes, info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parts.train_data)
-    depth = resolve_depth(tcfg.num_workers, info.device, parts.train_data)
+    depth = resolve_depth(tcfg.prefetch_depth, info.device, parts.train_data)
     # each batch's host facts (samples, anchors, chunk plans) made by the loader: the step reads nothing back
     planner = step_planner(model, lambda s, m: _step_seed(tcfg.seed, s, m * info.world + info.rank), use_buckets(info.device),
                            tcfg.attention)
