@@ -1,10 +1,12 @@
 """Servers dying under load, in regeneration and in the engine-backed eval: three OpenAI-compatible server processes
-with 96 requests in flight; one is SIGKILLed mid-run, then all of them. The servers are small HTTP processes that
-answer like vLLM's chat endpoint after a delay and count like its /metrics (a real vLLM server takes ~90 s to start on
-2 CPU cores; the code under test only sees HTTP)."""
+with 96 requests in flight; one is SIGKILLed mid-run, then all of them. In the engine-backed eval also a server that
+answers 503 for a while and one slower than the request timeout for a few requests, both recording their stats after
+the answer as vLLM may. The servers are small HTTP processes that answer like vLLM's chat endpoint after a delay and
+count like its /metrics (a real vLLM server takes ~90 s to start on 2 CPU cores; the code under test only sees HTTP)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +24,12 @@ import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 lock, inflight = threading.Lock(), [0]
+# optional behaviour (argv[1], JSON): "late": seconds after the answer its stats are recorded (vLLM records them after
+# sending it); "unavailable_after" / "unavailable_s": once that many requests are answered, every chat request for
+# that many seconds is answered 503 at once; "slow": [first, count, seconds]: the requests received as number
+# first..first+count-1 take that long (and are still counted when the client has given up)
+opts = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+received, answered, window = [0], [0], [None]
 # vLLM's speculative-decoding counters as /metrics reports them: each answered request adds one draft of 2 tokens and
 # k = its prompt's number mod 3 accepted ones (k >= 1 at position 0, k >= 2 at position 1)
 counts = {"drafts": 0, "tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0}
@@ -62,19 +70,45 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with lock:
+            if window[0] is not None and time.monotonic() - window[0] < opts["unavailable_s"]:
+                print(f"unavailable {body['messages'][-1]['content']}", flush=True)
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            received[0] += 1
+            n = received[0]
             inflight[0] += 1
             print(f"start {body['messages'][-1]['content']} inflight={inflight[0]}", flush=True)
-        time.sleep(0.6)
+        first, count, seconds = opts.get("slow", [0, 0, 0])
+        slow = first <= n < first + count
+        if slow:
+            print(f"slow {body['messages'][-1]['content']}", flush=True)
+        time.sleep(seconds if slow else 0.6)
         k = int("".join(ch for ch in body["messages"][-1]["content"] if ch.isdigit()) or 0) % 3
+
+        def record():
+            with lock:
+                counts["drafts"] += 1
+                counts["tokens"] += 2
+                counts["accepted"] += k
+                counts["pos0"] += k >= 1
+                counts["pos1"] += k >= 2
+
         with lock:
             inflight[0] -= 1
-            counts["drafts"] += 1
-            counts["tokens"] += 2
-            counts["accepted"] += k
-            counts["pos0"] += k >= 1
-            counts["pos1"] += k >= 2
-        self._send({"choices": [{"message": {"role": "assistant", "content": "answer to " + body["messages"][-1]["content"]},
-                                 "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
+            answered[0] += 1
+            if answered[0] == opts.get("unavailable_after"):
+                window[0] = time.monotonic()
+        if not opts.get("late"):
+            record()
+        try:
+            self._send({"choices": [{"message": {"role": "assistant", "content": "answer to " + body["messages"][-1]["content"]},
+                                     "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
+        except OSError:  # the client gave up (timed out): the engine still did the work
+            pass
+        if opts.get("late"):
+            threading.Timer(opts["late"], record).start()
 
 class Server(ThreadingHTTPServer):
     request_queue_size = 512
@@ -87,11 +121,12 @@ httpd.serve_forever()
 
 
 class Servers:
-    def __init__(self, tmp_path: Path, n: int):
+    def __init__(self, tmp_path: Path, n: int, opts: dict | None = None):
         self.procs, self.urls, self.logs = [], [], []
         for i in range(n):
             log = tmp_path / f"server_{i}.log"
-            proc = subprocess.Popen([sys.executable, "-u", "-c", SERVER], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([sys.executable, "-u", "-c", SERVER, json.dumps(opts or {})], stdout=open(log, "w"),
+                                    stderr=subprocess.STDOUT)
             self.procs.append(proc)
             self.logs.append(log)
         for log in self.logs:
@@ -109,8 +144,8 @@ class Servers:
             total += int(lines[-1].rsplit("=", 1)[1]) if lines else 0
         return total
 
-    def started(self, i: int) -> list[str]:
-        return [ln.split()[1] for ln in self.logs[i].read_text().splitlines() if ln.startswith("start ")]
+    def started(self, i: int, what: str = "start") -> list[str]:
+        return [ln.split()[1] for ln in self.logs[i].read_text().splitlines() if ln.startswith(what + " ")]
 
     def close(self) -> None:
         for proc in self.procs:
@@ -123,8 +158,8 @@ class Servers:
 def servers(tmp_path):
     made = []
 
-    def make(n: int) -> Servers:
-        s = Servers(tmp_path, n)
+    def make(n: int, opts: dict | None = None) -> Servers:
+        s = Servers(tmp_path, n, opts)
         made.append(s)
         return s
 
@@ -273,3 +308,56 @@ def test_engine_eval_with_every_server_gone_stops_with_one_sentence_naming_the_l
     assert message.startswith("Every vLLM server of the engine eval stopped answering for 2 s") and "\n" not in message
     assert all(str(log) in message for log in srv.logs) and "results.json" in message
     assert time.monotonic() - t0 < 60
+
+
+def _pool_eval(tmp_path: Path, target: Path, servers: Servers, timeout_s: float):
+    """The engine eval's pool (eval/engine_pool.py) with its real chat client over `servers`, a request timeout of
+    `timeout_s` and counters settled over 0.8 s, on the 192 conversations of `_engine_eval`; returns (counter delta,
+    pool, items)."""
+    from deepspec.config import load_config
+    from deepspec.eval.engine import _Client, _metrics_from_url
+    from deepspec.eval.engine_pool import Endpoint, Job, ServerPool
+    from deepspec.eval.runner import WorkItem
+    from deepspec.targets import load_tokenizer
+
+    cfg = load_config(None, [f"target.name={target}", "eval.temperature=0", "eval.max_new_tokens=4"])
+    tok = load_tokenizer(str(target))
+    endpoints = [Endpoint(u, _Client(u + "/v1", "tiny", tok, cfg, 4096, seeded=False, timeout_s=timeout_s),
+                          lambda u=u: _metrics_from_url(u), log=str(lg)) for u, lg in zip(servers.urls, servers.logs)]
+    pool = ServerPool(endpoints, 32, down_grace_s=30, reprobe_s=0.2, settle_s=0.8, settle_max_s=10)
+    items = [WorkItem("bench", i, {"turns": [f"p{i}"] + ([f"p{i}b{i + 1}"] if i >= 96 else [])}) for i in range(192)]
+    delta, skipped = pool.run([Job(it.row["turns"], i) for i, it in enumerate(items)], "vLLM bench")
+    assert skipped == 0
+    return delta, pool, items
+
+
+def _counted(delta) -> dict[str, int]:
+    return {"drafts": delta["drafts"], "accepted": delta["accepted_tokens"], "pos0": delta["accepted_per_pos"][0],
+            "pos1": delta["accepted_per_pos"][1]}
+
+
+def test_engine_eval_server_answering_503_for_a_while_counts_every_request_exactly_once(tmp_path, tiny_llama_dir, servers, logs):
+    """One server, 32 requests in flight, that answers 503 to every request for 1.5 s once 40 are answered (the
+    requests it had already accepted are answered and counted) and records each request's stats 0.1 s after its
+    answer: it leaves, rejoins once its requests are back and its counters settled, maybe leaves again, and in the
+    end every request is counted once."""
+    srv = servers(1, {"unavailable_after": 40, "unavailable_s": 1.5, "late": 0.1})
+    delta, pool, items = _pool_eval(tmp_path, tiny_llama_dir, srv, timeout_s=30)
+    assert srv.started(0, "unavailable")  # it did answer 503
+    assert _counted(delta) == _expected_counts(items)  # nothing counted twice, nothing lost
+    assert delta["draft_tokens"] == 2 * delta["drafts"] and pool.redone >= 40
+    assert any("answers again" in m for m in logs.messages)
+
+
+def test_engine_eval_server_slower_than_the_request_timeout_counts_every_request_exactly_once(tmp_path, tiny_llama_dir, servers, logs):
+    """One server, 32 requests in flight, whose 60th and 61st requests take 1.5 s against a 1 s request timeout: the
+    server counts them after the client gave up. The eval leaves it, waits until its other requests are back and its
+    counters settled (which takes the timed-out ones in), rejoins it, and counts every request once. (Stats are
+    recorded at the answer here: recorded late, the missed stats of the last answers, which are the reruns of the
+    timed-out conversations, would hide their double count.)"""
+    srv = servers(1, {"slow": [60, 2, 1.5]})
+    delta, pool, items = _pool_eval(tmp_path, tiny_llama_dir, srv, timeout_s=1.0)
+    assert len(srv.started(0, "slow")) == 2  # two requests outlived the timeout
+    assert _counted(delta) == _expected_counts(items)
+    assert pool.redone > 0 and any("ReadTimeout" in m for m in logs.messages)
+    assert any("answers again" in m for m in logs.messages)

@@ -150,11 +150,12 @@ class _Client:
     """OpenAI-compatible chat client with per-request token budgets that fit max_model_len."""
 
     def __init__(self, url: str, model: str, tokenizer, cfg, max_model_len: int, max_new_tokens: int | None = None,
-                 seeded: bool = True):
+                 seeded: bool = True, timeout_s: float = 1800.0):
         import httpx
 
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(1800.0))
+        # a request slower than this counts as its server gone (ServerDown): the pool runs its conversations elsewhere
+        self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s))
         self.model, self.tok, self.cfg, self.max_model_len = model, tokenizer, cfg, max_model_len
         self.seeded = seeded
         self.max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
