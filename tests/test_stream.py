@@ -4,7 +4,8 @@ On the tiny random Llama target, with real producer processes (`deepspec data st
 streamed run trains exactly like the offline cache run (same features, same order, same losses); the spool never
 holds more than its cap; a producer killed with SIGKILL mid-epoch is restarted and every sample is still trained
 exactly once per epoch (counted in the ledgers); a trainer killed mid-run resumes from its checkpoint and the
-producers make again what it needs."""
+producers make again what it needs, and its ledgers still count each sample once per epoch; a trainer SIGTERMed while
+it waits for a paused producer stops at once with the checkpoint of its last finished step and resumes exactly."""
 
 from __future__ import annotations
 
