@@ -268,7 +268,7 @@ def _our_row(spec: dict) -> dict:
     from deepspec.drafts.registry import get_algorithm
     from deepspec.train.build import build_parts, load_target_head
     from deepspec.train.dist import init_distributed, teardown
-    from deepspec.train.loop import TrainParts
+    from deepspec.train.parts import TrainParts
 
     cfg = load_config(spec["recipe"], spec["opts"])
     steps = cfg.train.max_steps

@@ -677,7 +677,7 @@ class _Scalar(torch.nn.Module):
 def _scalar_run(tmp_path: Path, own_weight: bool, mode: str = "tokens", supervised: int = 6) -> dict:
     from deepspec.config import load_config
     from deepspec.train import train
-    from deepspec.train.loop import TrainParts
+    from deepspec.train.parts import TrainParts
 
     # two samples: c = 1 with 6 tokens (the first `supervised` of them supervised), c = 3 with 2 supervised tokens
     data = [

@@ -1,6 +1,6 @@
 """train stage: `train(cfg)` in this process, `launch(cfg, nproc)` for N torchrun workers.
 
-Modules: loop (the loop), batches (global-batch plan), optim (AdamW/Muon + warmup-cosine),
+Modules: loop (the loop), parts (what it trains), batches (global-batch plan), optim (AdamW/Muon + warmup-cosine),
 parallel (DDP/FSDP2), checkpoint (step_N, step_latest, step_best, exact resume), loggers
 (wandb/tensorboard), validate (held-out τ), launcher/worker (torchrun), build (default parts).
 """

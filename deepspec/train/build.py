@@ -73,7 +73,7 @@ def build_parts(cfg, info):
 
     from deepspec.drafts.registry import get_algorithm
     from deepspec.targets.load import resolve_target_path
-    from deepspec.train.loop import TrainParts
+    from deepspec.train.parts import TrainParts
 
     path = resolve_target_path(cfg.target.name)
     if cfg.cache.mode == "online":

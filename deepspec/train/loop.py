@@ -29,21 +29,20 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from deepspec.config import save_config
 from deepspec.errors import CheckpointError, ConfigError
 from deepspec.locks import folder_lock
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
+from deepspec.train.build import build_parts, default_write_draft
 from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
+from deepspec.train.parts import TrainParts
 from deepspec.train.optim import build_optimizer, build_scheduler, describe_param_groups
 from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, wrap
 from deepspec.train.compile import compile_draft
@@ -60,18 +59,6 @@ log = get_logger(__name__)
 
 # Fault injection (tests): rank 0 SIGKILLs itself right after finishing this step.
 _KILL_AFTER = int(os.environ["DEEPSPEC_TRAIN_KILL_AFTER_STEP"]) if os.environ.get("DEEPSPEC_TRAIN_KILL_AFTER_STEP") else None
-
-
-@dataclass
-class TrainParts:
-    """What the loop trains: a draft, its data, and how to write it. Built from the config by default."""
-
-    model: nn.Module
-    train_data: Any  # len(), [i] -> sample dict, optional .collate / .lengths
-    val_data: Any | None = None
-    provenance: dict[str, Any] = field(default_factory=dict)
-    # write_draft(directory, fp32 trainable state dict) -> writes config.json + model.safetensors
-    write_draft: Callable[[Path, dict[str, torch.Tensor]], None] | None = None
 
 
 def train(cfg, parts: TrainParts | None = None) -> Path:
@@ -108,8 +95,6 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tcfg.seed)  # identical draft initialisation on every rank
     if parts is None:
-        from deepspec.train.build import build_parts
-
         parts = build_parts(cfg, info)
     if tcfg.optimizer == "muon" and tcfg.parallel == "fsdp":
         raise ConfigError("train.optimizer=muon needs whole weight matrices; use train.parallel=ddp with Muon (or adamw with fsdp).")
@@ -176,8 +161,6 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         if parts.write_draft is not None:
             parts.write_draft(directory, weights)
         else:
-            from deepspec.train.build import default_write_draft
-
             default_write_draft(model, directory, weights, parts.provenance)
 
     def save(step: int, val_metrics: dict[str, float] | None) -> None:
