@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from deepspec.cli import config_from_args
+from deepspec.config.args import config_from_args
 from deepspec.errors import ConfigError
 from deepspec.log import get_logger
 from deepspec.results import results_protocol, served_verdict, split_table

@@ -42,7 +42,8 @@ def test_user_error_is_one_line_not_a_traceback(tmp_path):
 
 def test_repeated_opts_add_up_and_later_values_win():
     """scripts/quickstart.sh puts its own --opts before the user's: both must reach the config, the user's last."""
-    from deepspec.cli import build_parser, config_from_args
+    from deepspec.cli import build_parser
+    from deepspec.config.args import config_from_args
 
     args = build_parser().parse_args(
         ["train", "config/quickstart/eagle3.yaml", "--opts", "train.lr=1e-3", "train.epochs=2", "--opts", "train.lr=5e-4"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deepspec.cli import add_config_arguments
+from deepspec.config.args import add_config_arguments
 from deepspec.errors import ConfigError
 
 

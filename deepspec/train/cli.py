@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from deepspec.cli import add_config_arguments, config_from_args
+from deepspec.config.args import add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

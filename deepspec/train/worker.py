@@ -12,7 +12,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deepspec.cli import add_config_arguments, config_from_args
+    from deepspec.config.args import add_config_arguments, config_from_args
     from deepspec.errors import DeepSpecError
     from deepspec.log import setup_logging
 

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from deepspec.cli import add_config_arguments, config_from_args
+from deepspec.config.args import add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
