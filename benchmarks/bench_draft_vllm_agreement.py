@@ -44,7 +44,7 @@ def main() -> None:
     from deepspec.drafts import DraftBatch, get_algorithm
     from deepspec.drafts.checkpoint import save_draft, target_weights
     from deepspec.export.writers import export_draft
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
     from deepspec.targets import capture, load_target
 
     torch.manual_seed(0)

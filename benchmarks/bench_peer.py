@@ -73,7 +73,7 @@ def run_peer(cmd: list[str], log: Path, timeout: float | None = None, env: dict 
 
 def peer_hidden_states(cfg, target_path: str, peer_bin: Path, data_dir: Path, peer_dir: Path, log: Path) -> None:
     """vLLM extract_hidden_states with the CPU connector; `speculators generate-offline-data` drives it."""
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
 
     hs_dir = data_dir.parent / "hidden_states_raw"  # the server's per-request files; generate-offline-data writes
     hs_dir.mkdir(parents=True, exist_ok=True)       # the trainer's hs_<i>.safetensors into data_dir/hidden_states
@@ -96,7 +96,7 @@ def served_length(cfg, target_path: str, draft_dir: Path, rows: list[dict], spec
     """vLLM's mean acceptance length of one draft on the held-out rows (every user turn, its own answers)."""
     import httpx
 
-    from deepspec.serving import VLLMServer, counters_delta
+    from deepspec.data.engines.server import VLLMServer, counters_delta
 
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
     with VLLMServer(target_path, speculative_config=spec, dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len,

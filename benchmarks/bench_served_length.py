@@ -75,7 +75,7 @@ def main() -> int:
     from deepspec.eval.engine import VLLM_METHODS
     from deepspec.eval.runner import render_prompt
     from deepspec.export.writers import export_draft
-    from deepspec.serving import VLLMServer, counters_delta
+    from deepspec.data.engines.server import VLLMServer, counters_delta
     from deepspec.targets import load_tokenizer, resolve_target_path
 
     meta = read_draft_config(ckpt)["deepspec"]

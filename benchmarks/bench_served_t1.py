@@ -85,5 +85,50 @@ def main() -> int:
     return 0
 
 
+def spread(args) -> dict:
+    """`args.repeats` evals of the checkpoint at T against one vLLM server serving its export (what the conformance
+    test runs once), with each repeat's depth-1 ratio vLLM / ours and tau on both sides."""
+    import time
+
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_NO_PROGRESS="1")
+    from deepspec.config import load_config
+    from deepspec.eval.engine import VLLM_METHODS
+    from deepspec.eval.runner import checkpoint_provenance, evaluate, resolve_target_name
+    from deepspec.export.writers import export_draft
+    from deepspec.data.engines.server import VLLMServer
+    from deepspec.targets import resolve_target_path
+
+    ckpt = Path(args.checkpoint)
+    cfg = load_config(str(ckpt / "config.yaml"), [])
+    meta = checkpoint_provenance(ckpt)
+    target = resolve_target_path(resolve_target_name(cfg, meta))
+    t0, rows = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        export = export_draft(ckpt, Path(tmp) / "export", "vllm", target=str(target))
+        spec = {"method": VLLM_METHODS[meta["algorithm"]], "model": str(export), "num_speculative_tokens": args.spec_tokens,
+                "draft_sample_method": args.method}
+        with VLLMServer(target, speculative_config=spec, dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len,
+                        log_path=Path(tmp) / "vllm.log") as server:
+            for r in range(args.repeats):
+                opts = ["eval.engine=vllm", f"eval.engine_url={server.url}", f"eval.temperature={args.temperature}",
+                        f"eval.draft_sample_method={args.method}", f"eval.max_new_tokens={args.max_tokens}", f"eval.seed={r}",
+                        f"eval.num_draft_tokens={args.spec_tokens}", f"eval.engine_num_speculative_tokens={args.spec_tokens}"]
+                res = evaluate(load_config(str(ckpt / "config.yaml"), opts), ckpt, output_dir=Path(tmp) / f"r{r}")
+                (cell,) = res["engine"]["tasks"].values()
+                e1, o1 = cell["engine_survival"][0], cell["ours_survival"][0]
+                rows.append({"seed": r, "vllm_s1": e1, "ours_s1": o1, "ratio_s1": e1 / o1 if o1 else None,
+                             "vllm_tau": cell["engine_tau"], "ours_tau_at_S": cell["ours_tau_at_S"], "relative_diff": cell["relative_diff"],
+                             "vllm_drafts": cell["engine_drafts"], "rounds_ours": res["overall"]["rounds"]})
+                print(json.dumps(rows[-1]), flush=True, file=__import__("sys").stderr)
+    ratios = [x["ratio_s1"] for x in rows if x["ratio_s1"] is not None]
+    return {"checkpoint": str(ckpt), "prompts": list(cfg.eval.tasks), "samples_per_repeat": cfg.eval.max_samples,
+            "max_tokens": args.max_tokens, "spec_tokens": args.spec_tokens, "temperature": args.temperature, "protocol": args.method,
+            "repeats": rows, "ratio_s1_min": min(ratios), "ratio_s1_max": max(ratios), "ratio_s1_mean": statistics.mean(ratios),
+            "ratio_s1_sd": statistics.stdev(ratios) if len(ratios) > 1 else None,
+            "vllm_s1_range": [min(x["vllm_s1"] for x in rows), max(x["vllm_s1"] for x in rows)],
+            "ours_s1_range": [min(x["ours_s1"] for x in rows), max(x["ours_s1"] for x in rows)],
+            "wall_s": round(time.monotonic() - t0)}
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -40,7 +40,7 @@ def tiny_qwen3_dir(tmp_path_factory):
 def vllm_target_server(smollm2_dir, tmp_path_factory):
     """One real vLLM OpenAI server serving the embedded target for the whole test session."""
     pytest.importorskip("vllm")
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
 
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(smollm2_dir, log_path=log_path, max_model_len=2048) as server:

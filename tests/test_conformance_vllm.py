@@ -146,7 +146,7 @@ BROKEN = {"eagle3": [("aux ids + 1", _aux_plus_one)], "dflash": [("wrong mask to
 def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained, smollm2_dir, tmp_path, draft):
     from deepspec.eval.engine import SERVED_TOLERANCE, VLLM_METHODS
     from deepspec.export.writers import export_draft
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
 
     algorithm = draft.split("-")[0]
     ckpt = trained[draft]

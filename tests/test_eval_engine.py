@@ -6,7 +6,7 @@ import pytest
 
 from deepspec.eval.engine import compare
 from deepspec.eval.metrics import AcceptanceStats
-from deepspec.serving import counters_delta
+from deepspec.data.engines.server import counters_delta
 
 
 def test_compare_engine_counters_with_ours_at_S():

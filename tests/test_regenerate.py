@@ -176,7 +176,7 @@ def fake_server():
 
 
 def test_openai_engine_retries_fails_and_reruns(tmp_path, tiny_llama_dir, fake_server):
-    from deepspec.serving import free_port
+    from deepspec.data.engines.server import free_port
 
     convs = [
         {"id": "multi", "conversations": [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
@@ -230,7 +230,7 @@ def test_openai_engine_retries_fails_and_reruns(tmp_path, tiny_llama_dir, fake_s
 def test_openai_engine_without_servers_fails_fast(tmp_path, tiny_llama_dir):
     from deepspec.data.engines.openai_engine import OpenAIEngine
     from deepspec.errors import EngineError
-    from deepspec.serving import free_port
+    from deepspec.data.engines.server import free_port
 
     cfg = setup_data(tmp_path, tiny_llama_dir, CONVS[2:])
     with pytest.raises(EngineError, match="No OpenAI-compatible server"):

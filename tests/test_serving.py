@@ -1,7 +1,7 @@
 """The vLLM server wrapper: Prometheus parsing and counter arithmetic (the real server is
 exercised by the regeneration, export and quickstart tests)."""
 
-from deepspec.serving import counters_delta, parse_prometheus, spec_decode_counters
+from deepspec.data.engines.server import counters_delta, parse_prometheus, spec_decode_counters
 
 SAMPLE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter

@@ -169,7 +169,7 @@ def test_bf16_if_native_follows_the_cpu(tmp_path, monkeypatch):
     ~5x slower); `auto` stays fp32 on any CPU. The same answer reaches HF loading, vLLM and the trainer."""
     import deepspec.cpus as cpus
     from deepspec.config import config_from_dict
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
     from deepspec.targets.load import resolve_dtype, resolve_dtype_name
     from deepspec.train.loop import autocast_context
 

@@ -300,7 +300,7 @@ def running_servers(cfg) -> list[str]:
 def _metrics_from_url(base_url: str) -> dict[str, Any]:
     import httpx
 
-    from deepspec.serving import parse_prometheus, spec_decode_counters
+    from deepspec.data.engines.server import parse_prometheus, spec_decode_counters
 
     r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30)
     return spec_decode_counters(parse_prometheus(r.text))
@@ -309,7 +309,7 @@ def _metrics_from_url(base_url: str) -> dict[str, Any]:
 def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: str, items: list, results: dict[str, Any],
                 out_dir: Path) -> dict[str, Any]:
     """Run the benchmark prompts through vLLM with the exported draft; return engine vs ours per benchmark."""
-    from deepspec.serving import VLLMServer
+    from deepspec.data.engines.server import VLLMServer
     from deepspec.targets import load_tokenizer, resolve_target_path
 
     from deepspec.eval.runner import protocol

@@ -76,7 +76,7 @@ class _Task:
 
 def sum_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     """Counter deltas of several servers (or benchmarks) added up, with their rates recomputed."""
-    from deepspec.serving import with_rates
+    from deepspec.data.engines.server import with_rates
 
     out: dict[str, Any] = {k: sum(d[k] for d in deltas) for k in COUNTER_KEYS}
     width = max((len(d["accepted_per_pos"]) for d in deltas), default=0)
@@ -102,7 +102,7 @@ class ServerPool:
     def run(self, jobs: list[Job], desc: str) -> tuple[dict[str, Any], int]:
         """Run every conversation once on a server that answered to the end; returns (counter delta, requests
         skipped as too long for the server's context)."""
-        from deepspec.serving import counters_delta
+        from deepspec.data.engines.server import counters_delta
 
         task = _Task(jobs)
         for e in self.endpoints:
