@@ -57,6 +57,14 @@ def reports(tmp_path_factory):
     context), DSpark (two layers, draft vocabulary, Markov and confidence heads; bf16), and the broken copies, through
     one vLLM process."""
     from deepspec.export.check import check_exports
+    # DFlash2: a convolution's static kernel one tap off, the selector's successor table one row off, one candidate fewer
+    "DFlash2 conv kernel shifted": ("dflash2", None, lambda t: t.__setitem__("layers.0.attention_conv.base_kernel",
+                                    t["layers.0.attention_conv.base_kernel"].roll(1, 1)), "block.layer0", "attention_conv"),
+    "DFlash2 successor codebook off by one": ("dflash2", None, lambda t: t.__setitem__("candidate_selector.successor_codebook",
+                                              t["candidate_selector.successor_codebook"].roll(1, 0)), "block.candidate_scores",
+                                              "candidate_selector"),
+    "DFlash2 selector_top_k - 1": ("dflash2", lambda c: c["dflash_config"].__setitem__("selector_top_k", c["dflash_config"]["selector_top_k"] - 1),
+                                   None, "block.candidate_scores", "selector_top_k"),
     from deepspec.export.writers import export_draft
 
     root = tmp_path_factory.mktemp("check_vllm")
@@ -78,7 +86,9 @@ def reports(tmp_path_factory):
     return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
 
 
-@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark"])
+        "dflash2": ("qwen3", dict(algorithm="dflash2", num_draft_layers=2, mask_token_id=259, conv_group_size=16, selector_rank=8,
+                                  selector_top_k=5), "bfloat16"),
+@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark", "dflash2"])
 def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
     rep = reports[case]
     ec = rep.engines[0]
@@ -86,10 +96,12 @@ def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, report
     assert ec.status == "pass" and not rep.diverged, rep.table()
     layers = 1 if case == "eagle3" else 2
     if case.startswith(("dflash", "dspark")):
-        assert ec.engine_class.endswith("DFlashQwen3ForCausalLM" if case.startswith("dflash") else "Qwen3DSparkForCausalLM")
+        cls = {"dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}.get(case, "DFlashQwen3ForCausalLM")
+        assert ec.engine_class.endswith(cls)
         assert [r.stage for r in ec.rows] == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0",
                                               "block.layer1", "block.norm", "block.logits",
-                                              *(["block.markov_logits"] if case == "dspark" else []), "block.tokens"]
+                                              *(["block.markov_logits"] if case == "dspark" else []),
+                                              *(["block.candidate_scores"] if case == "dflash2" else []), "block.tokens"]
     else:
         assert [r.stage for r in ec.rows] == [
             "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",

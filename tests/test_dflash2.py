@@ -217,3 +217,54 @@ def test_refusals():
         _draft(draft_vocab_size=100)
     with pytest.raises(ConfigError, match="conv_group_size"):
         _draft(conv_group_size=24)
+
+
+# --- trained and evaluated -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_qwen3_dir):
+    """A DFlash2 draft trained for 4 steps on a tiny Qwen3 target's cache (the shared tiny recipe), its recipe."""
+    from tiny_recipe import cached_recipe
+
+    from deepspec.config import load_config
+    from deepspec.train import train
+
+    root = tmp_path_factory.mktemp("dflash2")
+    recipe = cached_recipe(root, tiny_qwen3_dir, samples=8, heldout=2, max_length=96, project="d2",
+                           model="algorithm: dflash2, block_size: 4, num_anchors: 8, conv_group_size: 16, selector_rank: 8, "
+                                 "selector_top_k: 4",
+                           train="optimizer: adamw, lr: 3.0e-3, global_batch_size: 2, micro_batch_size: 1, max_steps: 4, "
+                                 "save_every: 4, val_every: 4, log_every: 1, precision: fp32")
+    cfg = load_config(recipe)
+    train(cfg)
+    return root, cfg
+
+
+def test_a_trained_dflash2_is_evaluated_per_depth(trained):
+    """Training moves both DFlash2 parts off their identity start; the evaluator decodes with the candidate walk and
+    reports per-depth acceptance for the block's K - 1 drafts, tau = 1 + the sum of the prefix survivals."""
+    import json
+
+    from deepspec.config import load_config
+    from deepspec.drafts.checkpoint import load_draft
+    from deepspec.eval.runner import evaluate
+
+    root, cfg = trained
+    ckpt = cfg.run_dir / "step_4"
+    draft = load_draft(ckpt)
+    assert draft.algorithm == "dflash2"
+    assert float(draft.layers[0].attention_conv.kernel_projection.weight.abs().max()) > 0
+    assert float(draft.candidate_selector.successor_codebook.abs().max()) > 0
+    d = root / "ds"
+    d.mkdir()
+    (d / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [f"the cat sat on {w}"]}) + "\n" for w in ("a mat", "home")))
+    out = root / "eval"
+    res = evaluate(load_config(str(ckpt / "config.yaml"), [
+        f"eval.datasets_dir={d}", "eval.tasks=[gsm8k]", "eval.max_new_tokens=12", "eval.num_draft_tokens=3",
+        f"eval.output_dir={out}", "logging.wandb=false", "eval.measure_speedup=false", "eval.temperature=0.0"]), ckpt)
+    task = res["tasks"]["gsm8k"]
+    print(json.dumps(task)[:2000])
+    assert json.loads((out / "results.json").read_text())["tasks"]["gsm8k"]["tau"] == task["tau"]
+    survival = task["survival"]
+    assert len(survival) == 3 and all(0.0 <= s <= 1.0 for s in survival)
+    assert task["tau"] == pytest.approx(1 + sum(survival))

@@ -142,16 +142,20 @@ class BlockDraft(TargetBackedDraft):
 
     @staticmethod
     def _layer(i, layer, mask, attn, x, kc, vc, cos, sin):
+        x = x + BlockDraft._attention(i, layer, mask, attn, layer.input_layernorm(x), kc, vc, cos, sin)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    @staticmethod
+    def _attention(i, layer, mask, attn, hq, kc, vc, cos, sin):
+        """The layer's attention output (o_proj applied) for normed block states hq over the context keys and the block's."""
         a = layer.self_attn
-        hq = layer.input_layernorm(x)
         q = a.project_q(hq, cos, sin)
         k, v = a.project_kv(hq, cos, sin)
         if attn is not None:
             o = attn(i, q, k, v, kc, vc)
         else:
             o = attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
-        x = x + a.output(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return a.output(o)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         return softcap(h @ self.head_weight().to(h.dtype).T, self.arch.logit_softcap)

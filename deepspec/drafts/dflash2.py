@@ -4,7 +4,7 @@
 * Grouped block convolutions. Each layer's attention and MLP are wrapped in an input-conditioned causal convolution
   over the block's slots: `prepare` turns the normed input u [Q, H] into coefficients c = kernel_projection(u)
   [Q, 2, taps, G] (G = H / conv_group_size groups) and returns conv(u, c[:, 0], base_kernel[0]); the attention (or
-  MLP) runs on that, and `finish` applies conv(y, c[:, 1], base_kernel[1]) to its output, so
+  MLP) runs on that, and the module's forward (vLLM's `finish`) applies conv(y, c[:, 1], base_kernel[1]) to its output, so
       conv(x, d, b)[s] = sum_{t < taps, t <= s} (b[t] + d[s, t, group]) * x[s - t]          (s = slot in its block).
   A block never reads another block's slots; the context keys/values (target features) are not convolved. Started
   at base_kernel[:, 0] = 1, the rest 0 and kernel_projection = 0, each conv is the identity: the draft starts as DFlash.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepspec.drafts.block import BlockDraft
-from deepspec.drafts.layers import DraftArch, attend
+from deepspec.drafts.layers import DraftArch
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import sample_token
 from deepspec.errors import ConfigError
@@ -69,11 +69,13 @@ class GroupedConv(nn.Module):
         nn.init.zeros_(self.kernel_projection.weight)
 
     def prepare(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u [B, Q, H] -> (the sublayer's input, the coefficients `finish` uses)."""
+        """u [B, Q, H] -> (the sublayer's input, the coefficients forward uses)."""
         c = self.kernel_projection(u).unflatten(-1, (2, self.taps, self.groups))
         return block_conv(u, c[..., 0, :, :], self.base_kernel[0], self.block_size), c[..., 1, :, :]
 
-    def finish(self, y: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        """vLLM's `finish`: the sublayer's output y convolved with the second coefficients (a module call, so hooks
+        see each layer's output: `deepspec check` records the residual stream there)."""
         return block_conv(y, coef, self.base_kernel[1], self.block_size)
 
 
@@ -121,17 +123,10 @@ class DFlash2Draft(BlockDraft):
     @staticmethod
     def _layer(i, layer, mask, attn, x, kc, vc, cos, sin):
         """DFlash's layer with each sublayer between its conv pair (vLLM's DFlash2Qwen3DecoderLayer.forward)."""
-        a = layer.self_attn
         u, coef = layer.attention_conv.prepare(layer.input_layernorm(x))
-        q = a.project_q(u, cos, sin)
-        k, v = a.project_kv(u, cos, sin)
-        if attn is not None:
-            o = attn(i, q, k, v, kc, vc)
-        else:
-            o = attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
-        x = x + layer.attention_conv.finish(a.output(o), coef)
+        x = x + layer.attention_conv(BlockDraft._attention(i, layer, mask, attn, u, kc, vc, cos, sin), coef)
         u, coef = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
-        return x + layer.mlp_conv.finish(layer.mlp(u), coef)
+        return x + layer.mlp_conv(layer.mlp(u), coef)
 
     def _head_features(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.candidate_selector.features(h, prev)
@@ -147,8 +142,10 @@ class DFlash2Draft(BlockDraft):
         values, cands = unary.topk(min(sel.top_k, unary.shape[-1]), dim=-1)
         prev = torch.tensor([anchor_token], device=h.device)
         toks, probs = [], []
+        self.last_scores = []  # what `deepspec check` compares with vLLM's walk
         for p in range(min(num_tokens, h.shape[0])):
             scores = values[p] + sel.bias(sel.features(h[p : p + 1], prev), cands[p : p + 1]).float()[0]
+            self.last_scores.append(scores)
             tok, pr = sample_token(scores, cands[p], self.arch.vocab_size, temperature, generator)
             toks.append(tok)
             probs.append(pr)

@@ -16,7 +16,7 @@ from deepspec.targets.taps import to_dflash_layer_ids, to_vllm_aux_ids
 
 NOT_MEASURED = "not measured"
 NOT_RECORDED = "not recorded"
-ALGORITHM_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
+ALGORITHM_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -247,4 +247,6 @@ def model_card(cfg: dict[str, Any], checkpoint: str | Path, n_params: int, engin
         lines.append("- Neither engine reads a confidence threshold from the checkpoint: vLLM uses the confidence head with "
                      "`\"enable_adaptive_verification\": true` in `--speculative-config`, SGLang in its confidence-driven verify modes "
                      "(SGLANG_RAGGED_VERIFY_MODE=cap-accept|compact); vLLM runs DSpark only on its GPU model runner.")
+    if algo == "dflash2":
+        lines.append("- vLLM runs DFlash2 (its candidate walk is a Triton kernel) only on its GPU model runner; SGLang has no DFlash2 model.")
     return "\n".join(lines) + "\n"

@@ -49,13 +49,14 @@ CAUSES: list[tuple[str, str, tuple[str, ...]]] = [
     ("input_token", "vocabulary map d2t (the engine feeds step 2 another token)", ("d2t", "draft_vocab_size")),
     ("layer", "RoPE θ / scaling / partial rotary, attention mask or causal flag, rms_norm_eps, embedding scale, or layer weights",
      ("rope", "head_dim", "partial_rotary", "rms_norm_eps", "layer_types", "sliding_window", "causal", "layers.", "midlayer.",
-      "num_attention_heads", "num_key_value_heads", "embed_scale")),
+      "num_attention_heads", "num_key_value_heads", "embed_scale", "conv_")),
     ("norm", "final norm (norm.weight / rms_norm_eps)", ("norm.weight", "rms_norm_eps")),
     ("logits", "LM head or draft vocabulary size", ("lm_head", "draft_vocab_size", "vocab_size")),
     ("markov_logits", "the Markov head (markov_w1 / markov_w2, markov_rank / markov_head_type)", ("markov", "draft_vocab_size")),
     ("tokens", "vocabulary map d2t (draft ids map to other target ids)", ("d2t", "t2d", "draft_vocab_size")),
     ("next_hidden", "norm_output (which hidden state the next chain step reads)", ("norm_output",)),
 ]
+    ("candidate_scores", "the candidate selector (candidate_selector.*, selector_rank / selector_top_k)", ("candidate_selector", "selector_")),
 
 
 @dataclass
@@ -181,7 +182,8 @@ def _stream_hooks(layers, out: list) -> list:
     hooks = []
     for layer in layers:
         hooks.append(layer.post_attention_layernorm.register_forward_hook(lambda m, a, r: pending.append(a[0])))
-        hooks.append(layer.mlp.register_forward_hook(lambda m, a, r: out.append(pending.pop() + r)))
+        last = getattr(layer, "mlp_conv", None) or layer.mlp  # DFlash2: the MLP's output convolution ends the layer
+        hooks.append(last.register_forward_hook(lambda m, a, r: out.append(pending.pop() + r)))
     return hooks
 
 
@@ -274,6 +276,8 @@ def compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> l
     rows = []
     for stage, a in ours.items():
         b = theirs.get(stage)
+            if draft.algorithm == "dflash2":  # each slot's candidate scores given the token drafted before it
+                out["block.candidate_scores"] = torch.stack(draft.last_scores)
         if b is None:
             rows.append(Row(stage, float("inf"), 0.0, False, "the engine produced no such tensor"))
             continue
@@ -301,7 +305,7 @@ def expected_export(checkpoint: Path, fmt: str) -> tuple[dict[str, Any], dict[st
     draft = load_draft(checkpoint)
     algo = meta["algorithm"]
     cfg, weights = {"eagle3": lambda: writers._eagle3(draft, meta), "dflash": lambda: writers._dflash(draft, meta),
-                    "dspark": lambda: writers._dspark(draft, meta, None)}[algo]()
+                    "dspark": lambda: writers._dspark(draft, meta, None), "dflash2": lambda: writers._dflash2(draft, meta)}[algo]()
     if fmt == "sglang":
         cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
     return cfg, weights
@@ -552,7 +556,8 @@ def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
 
 VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",
                 "dflash": "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM",
-                "dspark": "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM"}
+                "dspark": "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM",
+                "dflash2": "vllm.model_executor.models.qwen3_dflash2.DFlash2Qwen3ForCausalLM"}
 
 
 def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) -> list[dict[str, torch.Tensor]]:

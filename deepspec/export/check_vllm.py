@@ -62,6 +62,11 @@ def _method(cfg: dict) -> str:
     return "dflash" if arch.startswith("DFlash") else "dspark" if cfg.get("speculators_model_type") == "dspark" else "eagle3"
 
 
+def _dflash2(cfg: dict) -> bool:
+    """DFlash2 is served through vLLM's dflash method; its architecture picks the DFlash2 class and speculator."""
+    return cfg["architectures"][0] == "DFlash2DraftModel"
+
+
 @contextmanager
 def _without_runner_check(skip: bool):
     """vLLM runs DSpark only under its GPU model runner V2, which needs Triton (its CPU build has none), and VllmConfig
@@ -98,7 +103,7 @@ def _build(export: Path, work: Path, embed: torch.Tensor, head: torch.Tensor):
         cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     args = EngineArgs(model=str(_target_dir(cfg, work)), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
                       max_model_len=1024, speculative_config={"method": method, "model": str(export), "num_speculative_tokens": spec})
-    with _without_runner_check(method == "dspark"):
+    with _without_runner_check(method == "dspark" or _dflash2(cfg)):
         vc = args.create_engine_config()
         if method != "eagle3":  # as DFlashProposer._create_draft_vllm_config / load_dspark_model: layers attend both ways
             from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
@@ -266,6 +271,18 @@ def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
             out[f"block.layer{i}"] = s
         out["block.norm"] = normed
         rows = normed if from_anchor else normed[1:]  # the rows the proposer samples
+        if _dflash2(cfg):  # DFlash2Speculator._generate_draft, its Triton walk greedy: the best score given the last pick
+            out["block.logits"] = model.logits_processor(model.lm_head, rows)
+            cands, unary = model.compute_candidates(rows)
+            scores = model.model.candidate_selector(cands[None], unary[None], rows[None], block_ids[:1])[0]
+            prev, walked, toks = 0, [], []
+            for i in range(spec):
+                walked.append(scores[i, prev])
+                prev = int(walked[-1].argmax())
+                toks.append(cands[i, prev])
+            out["block.candidate_scores"] = torch.stack(walked)
+            out["block.tokens"] = torch.stack(toks)
+            return out
         if not dspark:
             out["block.logits"] = model.logits_processor(model.lm_head, rows)
             out["block.tokens"] = model.compute_logits(rows).argmax(-1)

@@ -13,7 +13,7 @@ from typing import Any
 
 from deepspec.errors import ConfigError
 
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "dflash2": "dflash"}  # DFlash2: vLLM's dflash method
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
 
 
@@ -21,7 +21,7 @@ def served_tokens(algorithm: str, model: dict[str, Any], requested: int | None =
     """Speculative tokens per round the engine must use for this draft (`requested` = the user's choice).
 
     Raises ConfigError when the choice would run a block draft on another block than it was trained on."""
-    if algorithm == "dflash":
+    if algorithm in ("dflash", "dflash2"):
         s = int(model["block_size"]) - 1
         if requested is not None and requested != s:
             raise ConfigError(

@@ -6,6 +6,8 @@
                      published DFlash checkpoints carry, and our own transformers modeling file (export/hf_remote/) with
                      an `auto_map`, so `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` runs it.
   * DSpark        -> speculators format (`speculators_model_type: dspark`) that vLLM maps to Qwen3DSparkModel.
+  * DFlash2       -> `DFlash2DraftModel`: DFlash's layout + dflash_config's conv / selector fields and the layers'
+                     attention_conv / mlp_conv and candidate_selector weights (vLLM's qwen3_dflash2.py); vLLM only.
   DFlash / DSpark with a draft vocabulary also write `draft_vocab_size`, `lm_head.weight` (the target head's rows
   of the draft vocabulary) and d2t / t2d, which vLLM's DFlashQwen3ForCausalLM / Qwen3DSparkForCausalLM read
   (d2t as draft_id_to_target_id; t2d skipped); without one the engine shares the target's head.
@@ -246,6 +248,19 @@ def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[
     return cfg, weights
 
 
+def _dflash2(draft, meta, target_cfg: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """DFlash2DraftModel: DFlash's config with DFlash2's fields in dflash_config (what qwen3_dflash2.py reads) and the
+    convolution and selector weights under vLLM's names. No auto_map: our transformers modeling file runs DFlash only."""
+    cfg, _ = _dflash(draft, meta, target_cfg)
+    mcfg = meta["model"]
+    cfg.pop("auto_map", None)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["dflash_config"].update(conv_kernel_size=mcfg["conv_kernel_size"], conv_group_size=mcfg["conv_group_size"],
+                                selector_rank=mcfg["selector_rank"], selector_top_k=mcfg["selector_top_k"],
+                                input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0)
+    return cfg, _block_weights(draft, ("fc.", "hidden_norm.", "norm.", "layers.", "candidate_selector."))
+
+
 def _check_vllm(algo: str, meta: dict[str, Any]) -> None:
     """Refuse what vLLM 0.32 would load but not run as trained."""
     mcfg = meta["model"]
@@ -276,7 +291,12 @@ def _engine_refusals(algo, meta, cfg, weights, draft) -> dict[str, str | None]:
     from deepspec.export.sglang import BUILDERS
 
     out: dict[str, str | None] = {}
-    for engine, check in (("vllm", lambda: _check_vllm(algo, meta)), ("sglang", lambda: BUILDERS[algo](dict(cfg), dict(weights), draft, meta))):
+    def sglang() -> None:
+        if algo not in BUILDERS:
+            raise ConfigError(f"SGLang has no {algo} draft model; export this draft with --format vllm.")
+        BUILDERS[algo](dict(cfg), dict(weights), draft, meta)
+
+    for engine, check in (("vllm", lambda: _check_vllm(algo, meta)), ("sglang", sglang)):
         try:
             check()
             out[engine] = None
@@ -324,6 +344,8 @@ def export_draft(
         cfg, weights = _dflash(draft, meta, target_cfg)
     elif algo == "dspark":
         cfg, weights = _dspark(draft, meta, target)
+    elif algo == "dflash2":
+        cfg, weights = _dflash2(draft, meta, target_cfg)
     else:
         raise ConfigError(f"Export does not know algorithm '{algo}'.")
     engines = _engine_refusals(algo, meta, cfg, weights, draft)  # engine -> None (serves it as trained) or the reason
@@ -335,7 +357,7 @@ def export_draft(
             _name_mask_token(cfg, target_folder(meta, target))
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg["torch_dtype"] = dtype
-    if algo == "dflash":
+    if algo in ("dflash", "dflash2"):
         cfg["dtype"] = dtype  # the name transformers 5 writes (published DFlash checkpoints carry it)
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
                        "provenance": meta.get("provenance", {}), "model": meta["model"],
