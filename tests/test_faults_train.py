@@ -286,45 +286,86 @@ class _Poisoned:
         return getattr(self.data, name)
 
 
-def _train_poisoned(cfg, bad: set[int]):
+class _PoisonedPasses(_Poisoned):
+    """Held-out samples that are all NaN during the chosen validation passes (1-based) and clean in the others."""
+
+    def __init__(self, data, passes: set[int]):
+        super().__init__(data, set())
+        self.passes, self.seen = passes, 0
+
+    def __getitem__(self, i: int) -> dict:
+        if i == 0:  # every validation pass reads sample 0 first
+            self.seen += 1
+            self.bad = set(range(len(self.data))) if self.seen in self.passes else set()
+        return super().__getitem__(i)
+
+
+def _train_poisoned(cfg, bad: set[int], bad_val_passes: set[int] = frozenset()):
     from deepspec.train import train
     from deepspec.train.build import build_parts
     from deepspec.train.dist import DistInfo
 
     parts = build_parts(cfg, DistInfo(0, 1, 0, torch.device("cpu"), False))
     parts.train_data = _Poisoned(parts.train_data, bad if bad != {"all"} else set(range(len(parts.train_data))))
+    if bad_val_passes:
+        parts.val_data = _PoisonedPasses(parts.val_data, bad_val_passes)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         return train(cfg, parts)
 
 
+def _optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every state tensor of a checkpoint's optimizers by a flat name (Muon's momentum; AdamW's step, exp_avg, exp_avg_sq)."""
+    saved = torch.load(step_dir / "optimizer.pt", weights_only=True)
+    return {f"{j}.{idx}.{key}": torch.as_tensor(value)
+            for j, opt in enumerate(saved.get("optimizers", [saved])) for idx, state in opt["state"].items()
+            for key, value in state.items()}
+
+
 def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_checkpoint(recipe, logs):
-    """A NaN row makes its steps' loss NaN: those steps leave the weights exactly as they were and are logged with
-    their samples; 3 non-finite steps in a row stop training and step_latest stays the last good checkpoint."""
+    """A NaN row makes its steps' loss NaN: those steps leave the weights and every optimizer state tensor (Muon's
+    momentum, AdamW's moments and step count) exactly as they were and are logged with their samples; a NaN
+    validation never becomes step_best; 3 non-finite steps in a row stop training and step_latest stays the last
+    good checkpoint."""
     from deepspec.train.batches import BatchPlan
-    from deepspec.train.checkpoint import latest_step_dir
+    from deepspec.train.checkpoint import latest_step_dir, read_best
     from deepspec.train.guard import NonFiniteLossError
 
-    opts = ("run.name=nan", "train.max_steps=8", "train.save_every=1", "train.keep_last=20", "train.max_nonfinite_steps=3")
+    opts = ("run.name=nan", "train.max_steps=8", "train.save_every=1", "train.keep_last=20", "train.max_nonfinite_steps=3",
+            "train.optimizer=muon", "train.val_every=2")
     cfg = _cfg(recipe, *opts)
     plan = BatchPlan(16, 4, 1, 1, cfg.train.seed, cfg.train.bucketing)
     bad_sample = plan.global_indices(2)[0]  # in step 3 (and once in steps 5-8, the second epoch)
     bad_steps = [s + 1 for s in range(8) if bad_sample in plan.global_indices(s)]
     assert bad_steps[0] == 3 and len(bad_steps) == 2
-    out = _train_poisoned(cfg, {bad_sample})
+    out = _train_poisoned(cfg, {bad_sample}, bad_val_passes={1})  # the first validation (step 2) is all NaN
     run_dir = cfg.run_dir
     rows = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()}
     for s in range(1, 9):
         before, after = _weights(run_dir / f"step_{s - 1}") if s > 1 else None, _weights(run_dir / f"step_{s}")
+        opt_before, opt_after = _optimizer_state(run_dir / f"step_{s - 1}") if s > 1 else None, _optimizer_state(run_dir / f"step_{s}")
         assert all(torch.isfinite(v).all() for v in after.values())
+        updates = s - sum(b <= s for b in bad_steps)  # AdamW counts the updates it made, not the steps
+        counts = [v for k, v in opt_after.items() if k.endswith(".step")]
+        assert counts and all(float(c) == updates for c in counts)
+        assert any(k.endswith(".momentum_buffer") for k in opt_after) and any(k.endswith(".exp_avg_sq") for k in opt_after)
         if s in bad_steps:
             assert rows[s]["train/loss"] != rows[s]["train/loss"]  # NaN logged as it was
             assert _max_diff(before, after) == 0.0  # no update at all
+            assert opt_before.keys() == opt_after.keys() and all(torch.equal(opt_before[k], opt_after[k]) for k in opt_after)
         elif before is not None:
             assert _max_diff(before, after) > 0
+            assert all(not torch.equal(opt_before[k], opt_after[k]) for k in opt_after if k.endswith((".momentum_buffer", ".exp_avg")))
     assert out.name == "step_8"
     sid = str(json.loads((cfg.cache_train_dir / "ids.json").read_text())[bad_sample])
     assert any(f"step {bad_steps[0]} skipped" in r.getMessage() and sid in r.getMessage() for r in logs.records)
+    val = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "val_log.jsonl").read_text().splitlines()}
+    assert sorted(val) == [2, 4, 6, 8] and val[2]["loss"] != val[2]["loss"] and val[2]["expected_tau"] != val[2]["expected_tau"]
+    finite = {s: v["expected_tau"] for s, v in val.items() if s != 2}
+    assert all(torch.isfinite(torch.tensor(v)) for v in finite.values())
+    best = read_best(run_dir)
+    assert best["step"] == max(finite, key=lambda s: (finite[s], -s)) and best["value"] == finite[best["step"]]
+    assert (run_dir / "step_best").resolve() == (run_dir / f"step_{best['step']}").resolve()
 
     # every sample poisoned from now on: steps 9, 10, 11 are non-finite -> a sentence; the newest checkpoint holds
     # step 8's weights (the skipped steps 9 and 10 were saved unchanged) and step 11 was not saved
@@ -333,6 +374,20 @@ def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_ch
         _train_poisoned(more, {"all"})
     latest = latest_step_dir(run_dir)
     assert latest.name == "step_10" and _max_diff(_weights(latest), _weights(run_dir / "step_8")) == 0.0
+
+
+def test_a_nonfinite_validation_is_never_a_step_best_candidate():
+    """A draft that reports only alpha_tf@k gets expected τ derived with NaN α counted as 0 (a finite 1.0): the NaN
+    loss still keeps that validation out of step_best; so does an infinite expected τ, which would outrank every
+    later validation."""
+    from deepspec.train.validate import best_metric, derive
+
+    nan, inf = float("nan"), float("inf")
+    derived = derive({"loss": nan, "alpha_tf@1": nan, "alpha_tf@2": nan})
+    assert derived["expected_tau"] == 1.0 and best_metric(derived) == ("expected_tau", None)
+    assert best_metric({"loss": 2.0, "expected_tau": inf}) == ("expected_tau", None)
+    assert best_metric({"loss": -inf, "expected_tau": 2.5}) == ("expected_tau", None)
+    assert best_metric(derive({"loss": 2.0, "alpha_tf@1": 0.5})) == ("expected_tau", 1.5)
 
 
 # ----------------------------------------------------------------------------- corrupt checkpoints, secrets

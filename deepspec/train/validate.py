@@ -39,7 +39,11 @@ def derive(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def best_metric(val: dict[str, float] | None) -> tuple[str, float | None]:
-    if not val or BEST_KEY not in val or math.isnan(val[BEST_KEY]):
+    """(key, value) a validation offers for step_best; None unless its loss and value are finite.
+
+    Why the loss too: a NaN batch can leave the value finite (expected τ derived from NaN α counts them as 0), and an
+    infinite value would outrank every later validation."""
+    if not val or not math.isfinite(val.get(BEST_KEY, math.nan)) or not math.isfinite(val.get("loss", 0.0)):
         return BEST_KEY, None
     return BEST_KEY, float(val[BEST_KEY])
 
