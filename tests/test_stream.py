@@ -316,6 +316,56 @@ def test_sigterm_while_waiting_for_a_paused_producer_checkpoints_the_last_step_a
     _assert_each_sample_once_per_epoch(cfg, spool)
 
 
+_WAITING_RANK = """
+import os, sys
+from types import SimpleNamespace as NS
+import torch, torch.distributed as dist
+from deepspec.data.cache import spool as sp
+from deepspec.data.cache.channel import FileChannel
+from deepspec.train.batches import Prefetcher
+from deepspec.train.preemption import PreemptionWatch, WaitPreempted
+rank, spool = int(os.environ["RANK"]), sys.argv[1]
+dist.init_process_group("gloo")
+plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)
+ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=60)
+watch = PreemptionWatch(rank == 0)
+batches = watch.wait_vote(Prefetcher(ds, lambda items: items, [(0, 0, [rank])], 1), ds)  # read in a loader thread
+try:
+    next(batches)
+    dist.all_reduce(torch.ones(1))  # the step's gradient all-reduce
+    print("trained", flush=True)
+except WaitPreempted:
+    print("stopped", flush=True)
+"""
+
+
+def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool(tmp_path):
+    """2 gloo ranks read sample 0 and 1 from a spool that holds only sample 0: rank 0 has its data, rank 1 waits. SIGTERM
+    to rank 1 alone ends its wait, and rank 0, which would otherwise enter the step's all-reduce and wait there for
+    rank 1 for good, learns it from the vote after its fetch: both stop, at the same micro-batch, in seconds."""
+    from deepspec.data.cache import format as fmt
+    from deepspec.data.cache import spool as sp
+    from deepspec.data.cache.channel import FileChannel
+
+    data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
+    sp.write_record(FileChannel(tmp_path), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        _wait(lambda: (tmp_path / "ledger.0.jsonl").exists(), 60, "rank 0 to read its sample")  # rank 1 is waiting
+        time.sleep(1.0)
+        assert all(p.poll() is None for p in ranks)
+        t0 = time.monotonic()
+        ranks[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=30) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert time.monotonic() - t0 < 10 and [o.strip() for o, _ in outs] == ["stopped", "stopped"], outs
+
+
 def _free_port() -> int:
     import socket
 
