@@ -12,6 +12,14 @@ draft-sampling protocol (`greedy`: vLLM's default, argmax drafts accepted iff u 
 independent samples, so the figure to quote is the relative difference of the mean acceptance lengths with its
 uncertainty: ours is bootstrapped over prompts (answers are the clusters), and vLLM's, whose counters come pooled,
 is taken to spread as much, so the difference's standard error is sqrt(2) x ours.
+
+    python benchmarks/bench_served_t1.py CKPT --repeats 20 [--ours-repeats 1] [--max-tokens 96] [--temperature 1.0]
+
+The spread at a test's scale: the same comparison on the checkpoint's own eval prompts (its recipe's eval.tasks /
+max_samples, as tests/test_conformance_vllm.py evaluates it), vLLM repeated R times against one server on the export
+(its CPU build takes no per-request seed, so each repeat is a fresh sample), ours K times with seeds 0..K-1. Prints
+every run's depth-1 survival and the standard deviation of its logarithm: the band a served-vs-ours check at that
+scale can hold without failing by chance.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,7 +59,14 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--method", default="greedy", choices=["greedy", "probabilistic"])
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=0, help="> 0: the spread over this many vLLM repeats on the checkpoint's own eval prompts")
+    p.add_argument("--ours-repeats", type=int, default=1, help="with --repeats: our evaluator's runs (seeds 0..)")
+    p.add_argument("--ours-results", nargs="*", default=[],
+                   help="with --repeats: results.json of our evaluator's earlier runs at the same settings, instead of running it")
     args = p.parse_args()
+    if args.repeats > 0:
+        print(json.dumps(spread(args), indent=1))
+        return 0
     if not (Path(args.checkpoint) / "model.safetensors").is_file() or not Path(args.prompts).is_file():
         print(json.dumps({"error": "pass a draft checkpoint (step_N folder) and an existing prompts JSONL"}))
         return 2
@@ -86,47 +102,61 @@ def main() -> int:
 
 
 def spread(args) -> dict:
-    """`args.repeats` evals of the checkpoint at T against one vLLM server serving its export (what the conformance
-    test runs once), with each repeat's depth-1 ratio vLLM / ours and tau on both sides."""
+    """The spread of the depth-1 comparison at the scale of the checkpoint's own eval (what the conformance test runs
+    once): our evaluator `--ours-repeats` times (seeds 0..), vLLM `--repeats` times on the same prompts against one
+    server serving the export (its CPU build takes no seed: each repeat is a fresh sample). vLLM's repeats are cheap
+    (seconds each) and ours cost minutes, so the spread of the ratio is taken as sqrt(2) x vLLM's (both sides sample the
+    same protocol), and the measured ratios against each of our runs are listed beside it."""
     import time
 
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_NO_PROGRESS="1")
+    import math
+
     from deepspec.config import load_config
-    from deepspec.eval.engine import VLLM_METHODS
-    from deepspec.eval.runner import checkpoint_provenance, evaluate, resolve_target_name
+    from deepspec.eval.engine import VLLM_METHODS, engine_eval
+    from deepspec.eval.runner import build_work, checkpoint_provenance, evaluate, resolve_target_name
     from deepspec.export.writers import export_draft
     from deepspec.data.engines.server import VLLMServer
     from deepspec.targets import resolve_target_path
 
     ckpt = Path(args.checkpoint)
-    cfg = load_config(str(ckpt / "config.yaml"), [])
+    opts = [f"eval.temperature={args.temperature}", f"eval.draft_sample_method={args.method}", f"eval.max_new_tokens={args.max_tokens}",
+            f"eval.num_draft_tokens={args.spec_tokens}", f"eval.engine_num_speculative_tokens={args.spec_tokens}"]
+    cfg = load_config(str(ckpt / "config.yaml"), opts)
     meta = checkpoint_provenance(ckpt)
-    target = resolve_target_path(resolve_target_name(cfg, meta))
-    t0, rows = time.monotonic(), []
+    target_name = resolve_target_name(cfg, meta)
+    target = resolve_target_path(target_name)
+    t0, ours, engine = time.monotonic(), [], []
     with tempfile.TemporaryDirectory() as tmp:
+        runs = [json.loads(Path(f).read_text()) for f in args.ours_results] or [
+            evaluate(load_config(str(ckpt / "config.yaml"), [*opts, "eval.engine=none", f"eval.seed={k}"]), ckpt,
+                     output_dir=Path(tmp) / f"ours{k}") for k in range(args.ours_repeats)]
+        for k, res in enumerate(runs):
+            (cell,) = res["tasks"].values()
+            ours.append({"seed": res["meta"]["seed"], "s1": cell["survival"][0], "tau_at_S": 1 + cell["expected_accepted"][args.spec_tokens - 1],
+                         "rounds": res["overall"]["rounds"], "results": res})
+            print(json.dumps({k2: v for k2, v in ours[-1].items() if k2 != "results"}), flush=True, file=sys.stderr)
         export = export_draft(ckpt, Path(tmp) / "export", "vllm", target=str(target))
         spec = {"method": VLLM_METHODS[meta["algorithm"]], "model": str(export), "num_speculative_tokens": args.spec_tokens,
                 "draft_sample_method": args.method}
         with VLLMServer(target, speculative_config=spec, dtype=cfg.target.dtype, max_model_len=cfg.eval.engine_max_model_len,
                         log_path=Path(tmp) / "vllm.log") as server:
+            ecfg = load_config(str(ckpt / "config.yaml"), [*opts, "eval.engine=vllm", f"eval.engine_url={server.url}"])
+            items, _ = build_work(ecfg)
             for r in range(args.repeats):
-                opts = ["eval.engine=vllm", f"eval.engine_url={server.url}", f"eval.temperature={args.temperature}",
-                        f"eval.draft_sample_method={args.method}", f"eval.max_new_tokens={args.max_tokens}", f"eval.seed={r}",
-                        f"eval.num_draft_tokens={args.spec_tokens}", f"eval.engine_num_speculative_tokens={args.spec_tokens}"]
-                res = evaluate(load_config(str(ckpt / "config.yaml"), opts), ckpt, output_dir=Path(tmp) / f"r{r}")
-                (cell,) = res["engine"]["tasks"].values()
-                e1, o1 = cell["engine_survival"][0], cell["ours_survival"][0]
-                rows.append({"seed": r, "vllm_s1": e1, "ours_s1": o1, "ratio_s1": e1 / o1 if o1 else None,
-                             "vllm_tau": cell["engine_tau"], "ours_tau_at_S": cell["ours_tau_at_S"], "relative_diff": cell["relative_diff"],
-                             "vllm_drafts": cell["engine_drafts"], "rounds_ours": res["overall"]["rounds"]})
-                print(json.dumps(rows[-1]), flush=True, file=__import__("sys").stderr)
-    ratios = [x["ratio_s1"] for x in rows if x["ratio_s1"] is not None]
-    return {"checkpoint": str(ckpt), "prompts": list(cfg.eval.tasks), "samples_per_repeat": cfg.eval.max_samples,
-            "max_tokens": args.max_tokens, "spec_tokens": args.spec_tokens, "temperature": args.temperature, "protocol": args.method,
-            "repeats": rows, "ratio_s1_min": min(ratios), "ratio_s1_max": max(ratios), "ratio_s1_mean": statistics.mean(ratios),
-            "ratio_s1_sd": statistics.stdev(ratios) if len(ratios) > 1 else None,
-            "vllm_s1_range": [min(x["vllm_s1"] for x in rows), max(x["vllm_s1"] for x in rows)],
-            "ours_s1_range": [min(x["ours_s1"] for x in rows), max(x["ours_s1"] for x in rows)],
+                out = engine_eval(ecfg, ckpt, meta, target_name, items, ours[0]["results"], Path(tmp) / f"vllm{r}")
+                (cell,) = out["tasks"].values()
+                engine.append({"repeat": r, "s1": cell["engine_survival"][0], "tau": cell["engine_tau"], "drafts": cell["engine_drafts"]})
+                print(json.dumps(engine[-1]), flush=True, file=sys.stderr)
+    logs = [math.log(e["s1"]) for e in engine if e["s1"]]
+    sd_log = statistics.stdev(logs) if len(logs) > 1 else None
+    return {"checkpoint": str(ckpt), "prompts": list(cfg.eval.tasks), "samples": cfg.eval.max_samples, "max_tokens": args.max_tokens,
+            "spec_tokens": args.spec_tokens, "temperature": args.temperature, "protocol": args.method,
+            "ours": [{k: v for k, v in o.items() if k != "results"} for o in ours], "vllm": engine,
+            "vllm_s1_range": [min(e["s1"] for e in engine), max(e["s1"] for e in engine)],
+            "vllm_s1_sd_of_log": sd_log,
+            "ratio_s1_sd_of_log": 2 ** 0.5 * sd_log if sd_log is not None else None,
+            "ratios_s1_vs_each_ours": [[e["s1"] / o["s1"] for e in engine] for o in ours],
             "wall_s": round(time.monotonic() - t0)}
 
 
