@@ -199,7 +199,8 @@ class SpoolDataset:
     cache reader reads a record (same item layout), deletes it and notes it in this rank's ledger.
 
     The trainer's loader hands it the schedule first (`follow`), so each read knows its plan position and publishes
-    it: the producers know what to make next."""
+    it: the producers know what to make next. A read that waits gives up when training is preempted (`waits`:
+    deepspec/train/preemption.py), so a paused or lost producer never holds a SIGTERM until the launcher's SIGKILL."""
 
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
     waits = True  # a read may wait for a producer: a preempted trainer must stop waiting (train/preemption.py)
