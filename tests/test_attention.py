@@ -166,6 +166,7 @@ def test_eagle3_loss_and_grads_equal_the_dense_full_vocab_reference(kw, logged):
     assert float(metrics["_loss_weight"][0]) == float((batch.loss_mask[:, 2:]).sum())
 
 
+@pytest.mark.slow
 def test_eagle3_activation_checkpointing_changes_nothing():
     out = []
     for ckpt in (False, True):

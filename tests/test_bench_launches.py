@@ -32,6 +32,7 @@ def smoke() -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_smoke_reports_every_figure(smoke):
     assert set(smoke["rows"]) == {"dflash", "dspark", "eagle3"}
     keys = {"launches_per_micro_batch", "baseline_launches_per_micro_batch", "host_reads_in_step", "baseline_host_reads_in_step",
@@ -50,6 +51,7 @@ def test_smoke_reports_every_figure(smoke):
         assert {"dflash", "eagle3", "passed"} <= set(smoke["calibration_check"])
 
 
+@pytest.mark.slow
 def test_this_tree_reads_nothing_in_the_step(smoke):
     for algo, row in smoke["rows"].items():
         assert row["host_reads_in_step"] == 0, algo
@@ -58,6 +60,7 @@ def test_this_tree_reads_nothing_in_the_step(smoke):
     assert smoke["rows"]["dflash"]["new_attention_shapes_per_step"] == 0
 
 
+@pytest.mark.slow
 def test_baseline_reads_are_caught(smoke):
     if smoke["baseline"] is None:
         pytest.skip("no b3a919e worktree: " + smoke.get("baseline_note", ""))

@@ -54,6 +54,7 @@ def test_run_group_returns_output_and_status():
     assert (done.returncode, done.stdout.strip(), done.stderr.strip()) == (3, "out", "err")
 
 
+@pytest.mark.slow
 def test_bench_gpu_smoke_writes_rows_as_json_lines(tmp_path):
     """The cache row on the tiny shape: the environment line, one line per algorithm trained through the on-disk
     cache and the trainer's reader, then the summary."""

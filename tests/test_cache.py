@@ -93,6 +93,7 @@ def manifest_sans_time(d: Path) -> dict:
 # ---------------------------------------------------------------------------------- golden
 
 
+@pytest.mark.slow
 def test_golden_taps_and_final_hidden_match_hf(data_root, tiny_llama_dir, tmp_path):
     """fp32 storage, one sample per forward: tap k == HF hidden_states[k+1], final == norm(last layer), exactly."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +124,7 @@ def test_golden_taps_and_final_hidden_match_hf(data_root, tiny_llama_dir, tmp_pa
         assert not torch.equal(item["taps"][:, 1], out.hidden_states[1][0])
 
 
+@pytest.mark.slow
 def test_bf16_batched_cache_matches_hf_rounded(bf16_cache, tiny_llama_dir):
     """Default bf16 storage with padded batches: equal to HF's per-sample states rounded to bf16 (±1 ulp from padding)."""
     from transformers import AutoModelForCausalLM
@@ -269,6 +271,7 @@ def test_cache_worker_barrier_is_gloo_on_a_gpu_machine(monkeypatch):
     assert seen == {"backend": "gloo", "barrier": True}
 
 
+@pytest.mark.slow
 def test_overwrite_rebuilds(bf16_cache, tmp_path, data_root, tiny_llama_dir):
     shutil.copytree(data_root / "data", tmp_path / "data")
     cfg = make_cfg(tmp_path, tiny_llama_dir, dtype="fp8")
@@ -415,6 +418,7 @@ def test_fp8_reconstruction_error_bounded_and_compact():
     assert fp8 <= 0.55 * bf16
 
 
+@pytest.mark.slow
 def test_fp8_cache_close_to_bf16_cache(bf16_cache, data_root, tiny_llama_dir, tmp_path):
     _, bf_dir = bf16_cache
     shutil.copytree(data_root / "data", tmp_path / "data")
@@ -517,6 +521,7 @@ def _mhc_cache(data_root, mhc_dir, root: Path, reduction: str, dtype: str = "fp3
     return cfg, build_cache(cfg, "train")
 
 
+@pytest.mark.slow
 def test_mhc_cache_stores_reduced_taps_and_records_them(data_root, mhc_dir, tmp_path):
     """Golden: cached taps (mean: H wide, concat: S*H wide) equal the reduced streams of the target's forward;
     the manifest records hc_mult and tap_reduction; concat costs S times the tap bytes of mean."""

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,7 @@ print("SAMPLES", len(plan_split(cfg, "train").samples), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_processes_started_together_tokenize_once(tmp_path, tiny_llama_dir):
     cfg = _config(tmp_path, tiny_llama_dir)
     env = dict(os.environ, PYTHONPATH=str(REPO), DEEPSPEC_NO_PROGRESS="1")

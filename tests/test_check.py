@@ -104,6 +104,7 @@ def reports(sglang_side, tmp_path_factory):
     return dict(zip(exports, out)), exports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(GOOD))
 def test_check_finds_no_divergence_in_sglang(case, reports):
     rep = reports[0][case]

@@ -92,6 +92,7 @@ def _compiles() -> int:
         ("dflash2", {"conv_group_size": 16, "selector_rank": 8}),  # the block convolutions stay eager between regions
     ],
 )
+@pytest.mark.slow
 def test_compiled_layers_equal_eager_and_reuse_their_graphs_across_lengths(algorithm, fields):
     """Loss and every gradient of the compiled draft equal eager's (fp32, 1e-5 relative); the attention stays eager
     (no graph break: it is never traced); after the first batch, batches of other lengths compile nothing new."""

@@ -148,6 +148,7 @@ def _toy_two_step(V=4, seed=0):
     return p1, p2, p3, q1, q2
 
 
+@pytest.mark.slow
 def test_rejection_sampling_reproduces_target_joint_distribution():
     """Chi-square test over the 16 outcomes of the first two emitted tokens (2 drafts per round, 2 rounds max)."""
     V, N = 4, 12000

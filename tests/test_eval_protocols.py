@@ -209,6 +209,7 @@ def test_oracle_draft_in_the_decoding_loop(sharp_tiny):
     assert counts[1] - expected > 6 * sigma  # far from acc0 = 1
 
 
+@pytest.mark.slow
 def test_greedy_protocol_loop_is_lossless_in_distribution(sharp_tiny):
     """The decoding loop under the greedy protocol, with a draft that proposes the target's argmax (accepted ~40% of the
     time here): the first two tokens follow the target's own T = 1 joint distribution (chi-square over bins fixed in

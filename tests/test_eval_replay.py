@@ -65,6 +65,7 @@ def smol(smollm2_dir):
     return model, prompts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("break_every", [0, 3])
 def test_replay_equals_decoding_with_partial_acceptance(smol, break_every):
     """The oracle proposes the target's own greedy tokens and misses at depth 2 every `break_every` rounds: rounds of
@@ -81,6 +82,7 @@ def test_replay_equals_decoding_with_partial_acceptance(smol, break_every):
     assert spec.stats.accepted > 0 and (break_every == 0 or spec.stats.accepted < spec.stats.proposed)
 
 
+@pytest.mark.slow
 def test_replay_stops_at_eos_like_decoding(smol):
     from test_eval_decode import OracleProposer
 
@@ -107,6 +109,7 @@ def test_replay_refuses_a_short_answer(smol):
                            max_new_tokens=10, num_draft_tokens=4)
 
 
+@pytest.mark.slow
 def test_batched_greedy_answers_equal_batch_one_decoding(smol):
     """Left padding and length sorting change nothing: each answer is the prompt's own greedy answer (fp32)."""
     model, prompts = smol

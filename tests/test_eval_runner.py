@@ -90,6 +90,7 @@ def test_target_override_and_mismatch(tiny_ckpt, datasets_dir, tmp_path, tiny_qw
         evaluate(cfg, tiny_ckpt)
 
 
+@pytest.mark.slow
 def test_two_workers_merge_like_one(tiny_ckpt, datasets_dir, tmp_path):
     """2 spawned CPU workers, samples strided: merged counters equal the single-worker run (greedy)."""
     from deepspec.eval.runner import evaluate

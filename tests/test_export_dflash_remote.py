@@ -228,6 +228,7 @@ def test_export_refuses_a_window_shorter_than_the_block(exports, tmp_path):
 PINNED_TRANSFORMERS = "5.15.0"  # what dflash 0.1.0 pins (its `local` extra); vLLM needs >= 5.16.1, so it runs in a child
 
 
+@pytest.mark.slow
 def test_published_code_and_ours_under_the_transformers_the_package_pins(exports, target, prompt, tmp_path):
     """The same checks under the transformers release the dflash package pins, in a child interpreter with that release
     first on PYTHONPATH (tests/dflash_probe.py)."""

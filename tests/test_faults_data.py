@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,7 @@ def _recipe(tmp_path: Path, target: Path, *opts: str) -> Path:
     return save_config(cfg, tmp_path, "recipe.yaml")
 
 
+@pytest.mark.slow
 def test_sigterm_mid_regeneration_keeps_whole_answers_and_the_rerun_adds_each_missing_one_once(tmp_path, tiny_llama_dir):
     from deepspec.config import load_config
     from deepspec.data.jsonl import read_jsonl, write_jsonl_atomic
@@ -50,6 +52,7 @@ def test_sigterm_mid_regeneration_keeps_whole_answers_and_the_rerun_adds_each_mi
     assert sorted(got) == sorted(ids)  # every id exactly once: duplicates 0, lost 0
 
 
+@pytest.mark.slow
 def test_sigterm_mid_shard_discards_only_the_partial_shard_and_the_rerun_builds_the_same_cache(tmp_path, tiny_llama_dir):
     from deepspec.config import load_config
     from deepspec.data.cache import build_cache
@@ -84,6 +87,7 @@ def test_sigterm_mid_shard_discards_only_the_partial_shard_and_the_rerun_builds_
     assert json.loads((directory / fmt.MANIFEST).read_text())["num_shards"] > len(done)
 
 
+@pytest.mark.slow
 def test_a_cache_worker_killed_mid_shard_stops_the_build_with_one_sentence_and_the_rerun_completes(tmp_path, tiny_llama_dir):
     from deepspec.config import load_config
     from deepspec.data.cache import format as fmt
@@ -126,6 +130,7 @@ def _cli_limited(limit: int, *args: str) -> subprocess.CompletedProcess:
                           preexec_fn=_file_size_limit(limit))
 
 
+@pytest.mark.slow
 def test_full_disk_mid_regeneration_and_mid_shard_leaves_nothing_partial_and_the_rerun_completes(tmp_path, tiny_llama_dir):
     from deepspec.config import load_config
     from deepspec.data.cache import format as fmt

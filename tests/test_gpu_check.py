@@ -275,6 +275,7 @@ def test_bench_cache_error_widens_float8_before_comparing():
 # ----------------------------------------------------------------------------- the whole check, on a CPU
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_writes_every_row(tmp_path):
     """`bash benchmarks/gpu_check.sh OUT --smoke`: every row in order with its status line, the measured rows as
     JSON lines (tokens/s, FLOPs, the profiled step), the profile tables, the recipe's measured memory, at most 8

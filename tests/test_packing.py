@@ -63,6 +63,7 @@ def _same(a, b):
             torch.testing.assert_close(x.float(), y.float(), rtol=1e-5, atol=1e-5, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}])
 def test_eagle3_packed_equals_padded(kw):
     model, draft = _draft("eagle3", **kw)
@@ -79,6 +80,7 @@ def test_eagle3_packed_equals_padded(kw):
     _same(one, two)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
 @pytest.mark.parametrize("kw", [{}, {"layer_types": ["sliding_attention"], "sliding_window": 4}])
 def test_block_packed_equals_padded(algorithm, kw):
@@ -131,6 +133,7 @@ def _anchors_by_sample(batch, anchors, keep, layout=None):
     return {i: sorted(v) for i, v in out.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training", [True, False])
 def test_block_anchors_per_sample_through_the_sampler(training):
     """The real sampler gives every sample min(num_anchors, valid_i) anchors, packed or padded (a 200-token and a
@@ -181,6 +184,7 @@ def test_block_anchor_draw_is_uniform_within_a_sample():
     assert float(hits[:-1].min()) > expect - 35 and float(hits[:-1].max()) < expect + 35
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
 @pytest.mark.parametrize("kw", [{}, {"layer_types": ["sliding_attention"], "sliding_window": 4}])
 def test_block_packed_equals_padded_with_sampled_anchors(algorithm, kw):

@@ -65,6 +65,7 @@ def _per_step_reference(draft, batch: DraftBatch) -> torch.Tensor:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("logged", [False, True])
 def test_teacher_once_per_micro_batch_equals_the_per_step_labels_above_the_old_cache_limit(logged, monkeypatch):
     """T = 2,200 > 2,097 (where the [B, T, Dv] label table stopped being cached): the labels are built once for all
@@ -276,6 +277,7 @@ def _run_fsdp(out, plain: bool) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 def test_fsdp2_bf16_policy_trains_with_one_gather_per_unit_and_step(tmp_path):
     """2 gloo workers x 2 steps x 2 micro-batches: bf16 parameters gathered, fp32 master weights and gradients, midlayer's
     MLP a unit of its own. `accumulating` + `release_gathered` gather every unit once per step (the units serve 3 TTT

@@ -32,6 +32,7 @@ def blend_cfg(tmp_path: Path, sources: list[dict], *opts: str):
                               "data.prompts.heldout=5", f"data.prompts.sources={json.dumps(sources)}", *opts])
 
 
+@pytest.mark.slow
 def test_blend_counts_splits_and_disjointness(tmp_path):
     cfg = blend_cfg(tmp_path, BLEND)
     build_prompts(cfg)
@@ -147,6 +148,7 @@ def test_extra_sets_are_committed_with_provenance():
             normalize(raw.record)
 
 
+@pytest.mark.slow
 def test_multi_turn_sharegpt_is_regenerated_turn_by_turn(tmp_path, tiny_llama_dir):
     from deepspec.data.regenerate import regenerate
 

@@ -237,6 +237,7 @@ def test_openai_engine_without_servers_fails_fast(tmp_path, tiny_llama_dir):
         OpenAIEngine([f"127.0.0.1:{free_port()}"], cfg.data.regenerate.sampling, {}, probe_timeout_s=1.0)
 
 
+@pytest.mark.slow
 def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir):
     from deepspec.data.engines import create_engine
 

@@ -46,6 +46,7 @@ def _block_hidden(algorithm, window):
         return d.block_hidden(DraftBatch(ids, ones, ones, taps, final), anchors, torch.ones_like(anchors, dtype=torch.bool))
 
 
+@pytest.mark.slow
 def test_eagle3_window_bites_and_a_wide_window_is_full_attention():
     full = _eagle3_logits(None)
     wide = _eagle3_logits(T + 4)  # covers every query's keys (query positions reach T-1+3)
@@ -56,6 +57,7 @@ def test_eagle3_window_bites_and_a_wide_window_is_full_attention():
     torch.testing.assert_close(narrow[0][:, :4], full[0][:, :4], rtol=1e-5, atol=1e-5)  # rows < window see everything
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
 def test_block_window_bites_and_a_wide_window_is_full_attention(algorithm):
     full = _block_hidden(algorithm, None)

@@ -120,6 +120,7 @@ def reference(recipe) -> Path:
     return cfg.run_dir
 
 
+@pytest.mark.slow
 def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference, tmp_path):
     """One worker fed by the trainer's own two local producers (each making every other sample, each with half the
     cap): the same losses, bit for bit, as training from the cache; the spool stayed under its cap and is empty at the
@@ -462,6 +463,7 @@ def test_a_mooncake_spool_trains_like_the_offline_cache_and_survives_a_killed_pr
     assert not list(spool.glob("*.rec")) and not list(spool.glob("pos.*")) and not list(spool.glob("producer.*.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, monkeypatch, one_torch_thread):
     """The V4-Flash DFlash recipe (4 residual streams concatenated per tap) streamed end to end on tiny-mhc: the cache
