@@ -212,7 +212,7 @@ def test_a_signal_that_lands_during_the_vote_is_kept_for_the_next_step(monkeypat
     (seen as a SIGUSR1 to one worker that training never acted on)."""
     import torch.distributed as dist
 
-    from deepspec.train.preemption import PreemptionWatch
+    from deepspec.preemption import PreemptionWatch
 
     watch = PreemptionWatch(is_main=False)
     try:

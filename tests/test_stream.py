@@ -324,7 +324,7 @@ import torch, torch.distributed as dist
 from deepspec.data.cache import spool as sp
 from deepspec.data.cache.channel import FileChannel
 from deepspec.train.batches import Prefetcher
-from deepspec.train.preemption import PreemptionWatch, WaitPreempted
+from deepspec.preemption import PreemptionWatch, WaitPreempted
 rank, spool = int(os.environ["RANK"]), sys.argv[1]
 dist.init_process_group("gloo")
 plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)

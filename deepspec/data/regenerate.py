@@ -22,7 +22,7 @@ from deepspec.data.jsonl import JsonlAppender, iter_lines, parse_line, read_json
 from deepspec.errors import DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
-from deepspec.train.preemption import fault_point, stop_on_signals
+from deepspec.preemption import fault_point, stop_on_signals
 
 log = get_logger(__name__)
 

@@ -4,7 +4,7 @@
 through this module (`python -m deepspec.train.launcher TORCHRUN_ARGS...`), which makes preemption graceful: SIGTERM
 and SIGUSR1 reach every worker (torchrun alone dies on SIGUSR1 and leaves its workers behind), torchrun waits
 `DEEPSPEC_PREEMPT_GRACE_S` seconds for them to checkpoint, and a preempted run ends with one line and status
-128 + the signal's number instead of torchrun's traceback (deepspec/train/preemption.py).
+128 + the signal's number instead of torchrun's traceback (deepspec/preemption.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def launch(cfg, nproc: int, torchrun_args: Sequence[str] = (), env: dict[str, st
     """
     from deepspec.config import save_config
     from deepspec.train.checkpoint import check_resume_settings, latest_step_dir
-    from deepspec.train.preemption import Preempted
+    from deepspec.preemption import Preempted
 
     if nproc < 1:
         raise DeepSpecError(f"nproc must be >= 1, got {nproc}.")
@@ -95,7 +95,7 @@ def _call_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
 def run_torchrun(argv: Sequence[str]) -> int:
     """torchrun with graceful preemption: SIGUSR1 handled like SIGTERM and forwarded to the workers, a grace period
     of DEEPSPEC_PREEMPT_GRACE_S seconds, and one line (no traceback) when the workers stopped on a signal."""
-    from deepspec.train.preemption import grace_seconds
+    from deepspec.preemption import grace_seconds
 
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(grace_seconds()))

@@ -47,7 +47,7 @@ from deepspec.train.optim import build_optimizer, build_scheduler, describe_para
 from deepspec.train.parallel import accumulating, full_trainable_state, release_gathered, wrap
 from deepspec.train.compile import compile_draft
 from deepspec.train.guard import NonFiniteGuard
-from deepspec.train.preemption import PreemptionWatch, WaitPreempted
+from deepspec.preemption import PreemptionWatch, WaitPreempted
 from deepspec.train.precision import resolve_precision, setup_precision
 from deepspec.drafts.plan import use_buckets
 from deepspec.train.loader import build_loader, resolve_depth, resolve_processes, step_planner

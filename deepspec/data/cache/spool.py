@@ -48,7 +48,7 @@ import numpy as np
 from deepspec.data.cache import format as fmt
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
-from deepspec.train import preemption
+from deepspec import preemption
 
 log = get_logger(__name__)
 
@@ -200,10 +200,10 @@ class SpoolDataset:
 
     The trainer's loader hands it the schedule first (`follow`), so each read knows its plan position and publishes
     it: the producers know what to make next. A read that waits gives up when training is preempted (`waits`:
-    deepspec/train/preemption.py), so a paused or lost producer never holds a SIGTERM until the launcher's SIGKILL."""
+    deepspec/preemption.py), so a paused or lost producer never holds a SIGTERM until the launcher's SIGKILL."""
 
     supports_worker_processes = False  # one reader per rank: it owns the deletes and the ledger
-    waits = True  # a read may wait for a producer: a preempted trainer must stop waiting (train/preemption.py)
+    waits = True  # a read may wait for a producer: a preempted trainer must stop waiting (deepspec/preemption.py)
 
     def __init__(self, channel, plan, *, global_batch: int, rank: int, world: int, taps: Sequence[int], rows: int,
                  local: str | Path, timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):

@@ -33,7 +33,7 @@ from deepspec.errors import CacheError, DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress
 from deepspec.targets.load import resolve_dtype_name
-from deepspec.train.preemption import Preempted, fault_point, stop_on_signals
+from deepspec.preemption import Preempted, fault_point, stop_on_signals
 
 log = get_logger(__name__)
 
