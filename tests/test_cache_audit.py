@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import shutil
 import zlib
@@ -47,12 +46,10 @@ def _target_on_cpu():
 @pytest.fixture(scope="module")
 def good(tiny_llama_dir, tmp_path_factory, one_torch_thread):
     """(cfg, cache folder) of a bf16 cache built by the real writer, which audits it as its last step."""
-    from tiny_recipe import conversation
+    from tiny_recipe import write_regenerated
 
     root = tmp_path_factory.mktemp("audit")
-    (root / "data").mkdir()
-    rng = random.Random(0)
-    (root / "data" / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(20)))
+    write_regenerated(root / "data", 20)
     cfg = make_cfg(root, tiny_llama_dir)
     return cfg, build_cache(cfg, "train")
 

@@ -40,12 +40,10 @@ def make_cfg(root: Path, target_dir: Path, **cache):
 @pytest.fixture(scope="module")
 def built(tiny_llama_dir, tmp_path_factory, one_torch_thread):
     """(root with data/, cache folder) of a tiny cache of 3 or 4 shards (the default start check samples 4)."""
-    from tiny_recipe import conversation
+    from tiny_recipe import write_regenerated
 
     root = tmp_path_factory.mktemp("verify")
-    (root / "data").mkdir()
-    rng = random.Random(0)
-    (root / "data" / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(24)))
+    write_regenerated(root / "data", 24)
     d = build_cache(make_cfg(root, tiny_llama_dir), "train")
     assert 3 <= fmt.load_manifest(d)["num_shards"] <= make_cfg(root, tiny_llama_dir).cache.start_check_shards
     return root, d

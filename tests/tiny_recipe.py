@@ -19,6 +19,14 @@ def conversation(rng: random.Random, i: int, answer: tuple[int, int] = (6, 24)) 
     return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
 
 
+def write_regenerated(data: Path, samples: int, name: str = "regenerated.jsonl", seed: int = 0) -> Path:
+    """`samples` random conversations as `data`/`name` (the folder is made): the input a cache build reads."""
+    data.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    (data / name).write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(samples)))
+    return data / name
+
+
 def cached_recipe(root: Path, target_dir: Path, *, samples: int, heldout: int, max_length: int, train: str, model: str = "",
                   project: str = "t") -> Path:
     """Write `root`/recipe.yaml over `samples` + `heldout` conversations and build both caches; returns its path.
