@@ -15,7 +15,7 @@ from deepspec.drafts.attention import BlockBounds, block_attention, chain_attent
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.drafts.plan import bucket, sample_ranges
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import pack_batch
+from deepspec.data.batches import pack_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -171,7 +171,7 @@ def test_flex_block_attention_on_cuda_equals_the_dense_reference_with_gradients(
         torch.testing.assert_close(a, r, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "dflash2"])
 def test_flex_and_sdpa_plans_train_alike(algorithm):
     """The same packed batch and anchors through train.attention=flex and the chunked SDPA calls: the same loss (forward
     only on a CPU)."""
@@ -279,7 +279,7 @@ def test_the_ladder():
 
 def test_the_loader_plans_each_batch_with_its_micro_batch_seed():
     """The loader's plan is the draft's own for that key: the same anchors, and a loss equal to planning in the step."""
-    from deepspec.train.batches import Prefetcher
+    from deepspec.data.batches import Prefetcher
     from deepspec.train.loader import step_planner
 
     model, draft = _draft("dflash")

@@ -41,8 +41,8 @@ def block_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_s
     products and sums in fp32 (as vLLM's kernel accumulates)."""
     b, q, h = x.shape
     taps, groups = base.shape[0], delta.shape[-1]
-    xs = x.float().view(b, q // block_size, block_size, h)
-    d = delta.float().view(b, q // block_size, block_size, taps, groups)
+    xs = x.float().reshape(b, q // block_size, block_size, h)
+    d = delta.float().reshape(b, q // block_size, block_size, taps, groups)
     out = xs.new_zeros(xs.shape)
     for t in range(min(taps, block_size)):
         coef = base[t].float() + d[..., t, :].repeat_interleave(h // groups, dim=-1)
