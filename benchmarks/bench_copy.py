@@ -53,7 +53,7 @@ def main() -> int:
         return 2
     import torch
 
-    from deepspec.train.batches import collate_features
+    from deepspec.data.batches import collate_features
 
     t0 = time.perf_counter()
     data, _, draft = load_draft_and_cache(ckpt, cache_dir, target_dtype="float32")

@@ -105,7 +105,7 @@ def recipe_batch(cfg, arch, n_taps: int, dtype):
     them to on the device."""
     import torch
 
-    from deepspec.train.batches import collate_features, pack_batch
+    from deepspec.data.batches import collate_features, pack_batch
 
     t = cfg.cache.max_length
     g = torch.Generator().manual_seed(0)

@@ -320,12 +320,21 @@ def _region_tracker() -> _Regions:
     return _Regions([(cls, name) for cls, methods in _regions().items() for name in methods])
 
 
+def _collate():
+    """collate_features from whichever tree is measured (deepspec/data/batches.py; deepspec/train/batches.py before)."""
+    try:
+        from deepspec.data.batches import collate_features
+    except ImportError:
+        from deepspec.train.batches import collate_features
+    return collate_features
+
+
 def measure_algorithm(tree: Path, variant: str, shape: str, steps: int) -> dict:
     """Ops, reads and attention shapes of `steps` micro-batches (fresh anchors each) of one algorithm in this process."""
     import torch
 
     import deepspec.drafts.layers as layers
-    from deepspec.train.batches import collate_features
+    collate_features = _collate()
 
     OpCounter, HostReads = make_modes()
     target = SHAPES[shape][0]
@@ -409,7 +418,7 @@ def measure_profiled(tree: Path, variant: str, shape: str, compiled: bool) -> di
     from torch.profiler import ProfilerActivity, profile
 
     import deepspec.drafts.attention as attention
-    from deepspec.train.batches import collate_features
+    collate_features = _collate()
 
     inductor_config.cpp.enable_kernel_profile = True
     saved = getattr(attention, "_CHUNK_ELEMENTS", None)
@@ -461,7 +470,7 @@ def meta_flops(tree: Path, variant: str, buckets: bool, metrics: bool = False) -
     import torch
 
     from deepspec.drafts.base import DraftBatch
-    from deepspec.train.batches import collate_features
+    collate_features = _collate()
     from deepspec.train.optim import split_muon_params
 
     OpCounter, HostReads = make_modes()

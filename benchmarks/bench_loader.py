@@ -119,7 +119,7 @@ def measure(cache: str, workers: int, passes: int, micro_batch: int, pack_tokens
     previous pass); each pass's first batch (worker start-up) is not timed."""
     import torch
 
-    import deepspec.train.batches as batches
+    import deepspec.data.batches as batches
     from deepspec.data.cache.reader import CacheDataset
 
     cuda = torch.cuda.is_available()

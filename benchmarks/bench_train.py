@@ -357,7 +357,7 @@ def _our_row(spec: dict) -> dict:
 
 def _step_tokens(data, lengths: list[int], t, world: int, steps: int) -> dict[int, tuple[int, int]]:
     """(real tokens, positions of the padded micro-batches) of each plan step, from the trainer's batch plan."""
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     plan = BatchPlan(len(data), t.global_batch_size, t.micro_batch_size, world, t.seed, t.bucketing)
     out = {}
@@ -534,7 +534,7 @@ def flops_per_token(draft, cfg, sample: dict, device) -> dict[str, float]:
     The step counted is an unlogged one (no metrics pass)."""
     import torch
 
-    from deepspec.train.batches import collate_features
+    from deepspec.data.batches import collate_features
     from deepspec.train.flops import count_flops
     from deepspec.train.loop import autocast_context
 
@@ -920,7 +920,7 @@ def train_child(recipe: str, opts: list[str]) -> dict:
 
     import deepspec.train.loop as loop
     from deepspec.config import load_config
-    from deepspec.train.batches import BatchPlan, sample_lengths
+    from deepspec.data.batches import BatchPlan, sample_lengths
     from deepspec.train.build import build_parts
     from deepspec.train.dist import init_distributed, teardown
 

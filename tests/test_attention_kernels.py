@@ -23,7 +23,7 @@ from deepspec.config.model import ModelConfig
 from deepspec.drafts import get_algorithm
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import collate_features, pack_batch
+from deepspec.data.batches import collate_features, pack_batch
 
 
 # --- PyTorch's CUDA rules ------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_a_planless_step_reads_the_device(one_torch_thread):
     """This tree's loss without the loader's plan draws and plans its anchors itself: the counter sees those reads."""
     import torch
 
-    from deepspec.train.batches import collate_features
+    from deepspec.data.batches import collate_features
 
     bench = _bench()
     OpCounter, HostReads = bench.make_modes()

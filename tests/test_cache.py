@@ -344,7 +344,7 @@ def test_items_are_zero_copy_views_in_the_cache_dtype(bf16_cache):
     """A read copies no features: taps / final_hidden view the mapped shard in bf16, and collation keeps bf16
     until DraftBatch.to widens on the device (exactly: bf16 -> fp32 is lossless)."""
     from deepspec.data.cache.reader import widen
-    from deepspec.train.batches import collate_features
+    from deepspec.data.batches import collate_features
 
     _, d = bf16_cache
     ds = CacheDataset(d)

@@ -116,7 +116,7 @@ def test_online_batches_through_the_loader_thread_equal_a_synchronous_forward_on
     features on the device (train.pack_tokens), and the stager converts them to the training dtype on a third: every
     staged batch must equal the features computed and packed with nothing in flight."""
     from deepspec.data.cache.online import OnlineFeatures
-    from deepspec.train.batches import Prefetcher, pack_batch, packing
+    from deepspec.data.batches import Prefetcher, pack_batch, packing
     from deepspec.train.staging import DeviceStager
 
     cfg, ds = fp32_cache
@@ -157,7 +157,7 @@ def test_validation_and_the_loader_thread_take_turns_on_the_target(fp32_cache, t
     from types import SimpleNamespace
 
     from deepspec.data.cache.online import OnlineFeatures
-    from deepspec.train.batches import Prefetcher
+    from deepspec.data.batches import Prefetcher
     from deepspec.train.dist import DistInfo
     from deepspec.train.validate import run_validation
 

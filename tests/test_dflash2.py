@@ -15,7 +15,7 @@ from deepspec.drafts import DraftBatch, get_algorithm
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import collate_features, pack_batch, pack_layout
+from deepspec.data.batches import collate_features, pack_batch, pack_layout
 
 LENGTHS = [11, 17, 9]
 ANCHORS = [[2, 5, 8], [3, 9, 13], [4, 6, 0]]

@@ -327,7 +327,7 @@ def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_ch
     momentum, AdamW's moments and step count) exactly as they were and are logged with their samples; a NaN
     validation never becomes step_best; 3 non-finite steps in a row stop training and step_latest stays the last
     good checkpoint."""
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
     from deepspec.train.checkpoint import latest_step_dir, read_best
     from deepspec.train.guard import NonFiniteLossError
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from deepspec.drafts.base import DraftBatch, dequantize
-from deepspec.train.batches import collate_features, pack_batch
-from deepspec.train.buffers import BufferPool
+from deepspec.data.batches import collate_features, pack_batch
+from deepspec.data.buffers import BufferPool
 from deepspec.train.loader import ProcessLoader, build_loader, resolve_processes
 
 
@@ -79,7 +79,7 @@ def test_pool_recycles_a_buffer_only_when_no_view_is_alive():
 
 
 def test_collate_recycles_buffers_without_leaking_previous_contents():
-    from deepspec.train.buffers import POOL
+    from deepspec.data.buffers import POOL
 
     POOL.clear()
     ds = _Samples()
@@ -124,7 +124,7 @@ def test_bench_loader_measures_the_packed_path(tmp_path, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    import deepspec.train.batches as batches
+    import deepspec.data.batches as batches
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loader.py"
     spec = importlib.util.spec_from_file_location("bench_loader", path)

@@ -14,7 +14,7 @@ from deepspec.drafts import get_algorithm
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import collate_features, pack_batch, pack_features, pack_layout, packing
+from deepspec.data.batches import collate_features, pack_batch, pack_features, pack_layout, packing
 
 LENGTHS = [11, 17, 6, 9]
 
@@ -278,7 +278,7 @@ logging: {{progress: false, wandb: false, tensorboard: false}}
 """
     )
     build_cache(load_config(recipe), "train")
-    import deepspec.train.batches as batches
+    import deepspec.data.batches as batches
 
     packed_rows = []
 
@@ -366,7 +366,7 @@ def test_one_copy_packing_equals_the_reference_bit_for_bit(kind):
     """pack_batch (from a padded batch) and pack_features / packing (straight from the samples) give exactly the
     tensors of the reference packing, over random batches, buffers recycled between them (the stale bytes of the
     previous batch must never show through the padding)."""
-    from deepspec.train.buffers import POOL
+    from deepspec.data.buffers import POOL
 
     POOL.clear()
     g = torch.Generator().manual_seed({"bf16": 0, "fp32": 1, "fp8": 2}[kind])

@@ -12,7 +12,7 @@ from deepspec.drafts import get_algorithm
 from deepspec.drafts.base import dequantize
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import collate_features, pack_features, packing
+from deepspec.data.batches import collate_features, pack_features, packing
 from deepspec.train.staging import DeviceStager, feature_dtype
 
 

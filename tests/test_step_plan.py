@@ -15,7 +15,7 @@ from deepspec.drafts.attention import BlockBounds, block_attention, chain_attent
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.drafts.plan import bucket, sample_ranges
 from deepspec.targets import capture, tiny_target
-from deepspec.train.batches import pack_batch
+from deepspec.data.batches import pack_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -279,7 +279,7 @@ def test_the_ladder():
 
 def test_the_loader_plans_each_batch_with_its_micro_batch_seed():
     """The loader's plan is the draft's own for that key: the same anchors, and a loss equal to planning in the step."""
-    from deepspec.train.batches import Prefetcher
+    from deepspec.data.batches import Prefetcher
     from deepspec.train.loader import step_planner
 
     model, draft = _draft("dflash")

@@ -88,7 +88,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _plan(cfg):
     from deepspec.data.cache.writer import plan_split
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     plan = plan_split(cfg, "train")
     return plan, BatchPlan(len(plan.samples), GLOBAL, 1, 1, cfg.train.seed)
@@ -323,7 +323,7 @@ from types import SimpleNamespace as NS
 import torch, torch.distributed as dist
 from deepspec.data.cache import spool as sp
 from deepspec.data.cache.channel import FileChannel
-from deepspec.train.batches import Prefetcher
+from deepspec.data.batches import Prefetcher
 from deepspec.preemption import PreemptionWatch, WaitPreempted
 rank, spool = int(os.environ["RANK"]), sys.argv[1]
 dist.init_process_group("gloo")
@@ -551,7 +551,7 @@ def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_p
     from deepspec.data.cache.channel import FileChannel
     from deepspec.data.cache.stream import Producer
     from deepspec.data.cache.writer import plan_split
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     spool = tmp_path / "spool"

@@ -139,8 +139,18 @@ def reference(recipe) -> Path:
 # ----------------------------------------------------------------------------- fast unit tests
 
 
+def test_the_trainer_and_a_streamed_plan_count_steps_by_one_rule():
+    """train.max_steps when set, else epochs x the full global batches of an epoch (the last partial one dropped), at
+    least one: the loop asks its BatchPlan, a streamed run's plan document asks data/batches.py total_steps."""
+    from deepspec.data.batches import BatchPlan, total_steps
+
+    plan = BatchPlan(43, 8, 2, 2, seed=0)  # 5 full global batches an epoch
+    assert plan.total_steps(None, 2.5) == total_steps(43, 8, None, 2.5) == 12
+    assert plan.total_steps(7, 2.5) == 7 and plan.total_steps(None, 0.01) == 1
+
+
 def test_global_batch_is_independent_of_worker_count():
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     lengths = [random.Random(i).randint(5, 50) for i in range(40)]
     one = BatchPlan(40, 8, 2, 1, seed=3)
@@ -165,7 +175,7 @@ def test_global_batch_is_independent_of_worker_count():
 
 def test_global_batch_must_divide():
     from deepspec.errors import ConfigError
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     with pytest.raises(ConfigError, match="not divisible by workers x micro batch = 3 x 2 = 6"):
         BatchPlan(40, 8, 2, 3, seed=0)
@@ -253,7 +263,7 @@ def test_muon_matches_torch_muon_and_iterates_in_fp32_without_native_bf16(shape)
 
 
 def test_loss_tokens_all_supervises_prompt_tokens_but_not_padding():
-    from deepspec.train.batches import collate_features, supervise_all_tokens
+    from deepspec.data.batches import collate_features, supervise_all_tokens
 
     def item(n: int, answer_from: int) -> dict:
         return {
@@ -357,7 +367,7 @@ def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
     """The reference read its cache inline (the default on a CPU, where a loader thread has nothing to overlap);
     train.prefetch_depth=2 reads two micro-batches ahead in the background thread: same batches, same losses, same
     weights. With nothing set, the thread is used on a GPU and for a streamed spool only."""
-    from deepspec.train.batches import Prefetcher
+    from deepspec.data.batches import Prefetcher
     from deepspec.train.loader import resolve_depth
 
     cfg = _cfg(recipe, "exp=thread", "train.prefetch_depth=2")
@@ -494,7 +504,7 @@ def test_wandb_and_tensorboard_series(reference):
 def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
     """config/<algorithm>/<target>.yaml for each algorithm x {smollm2, qwen3-4b, qwen3-8b, qwen3-14b}."""
     from deepspec.config import load_config
-    from deepspec.train.batches import BatchPlan
+    from deepspec.data.batches import BatchPlan
 
     for algorithm in ("eagle3", "dflash", "dspark"):
         for target in ("smollm2", "qwen3-4b", "qwen3-8b", "qwen3-14b"):

@@ -83,8 +83,9 @@ def build_parts(cfg, info):
     else:
         if cfg.cache.mode == "stream":
             from deepspec.data.cache.stream import open_stream_datasets
+            from deepspec.train.checkpoint import resume_step
 
-            train_data, val_data = open_stream_datasets(cfg, info)
+            train_data, val_data = open_stream_datasets(cfg, info, resume_step(cfg))
         else:
             train_data, val_data = open_cache_datasets(cfg)
         target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)

@@ -305,6 +305,15 @@ def load_trainer_state(step_dir: Path) -> dict[str, Any]:
     return safe_torch_load(f)
 
 
+def resume_step(cfg) -> int:
+    """The step a (re)started run resumes at: its newest intact checkpoint's (what the loop resumes from), else 0.
+    The builder passes it to a streamed run's datasets, which start reading there."""
+    if not cfg.train.resume:
+        return 0
+    step_dir = latest_step_dir(cfg.run_dir)
+    return int(load_trainer_state(step_dir)["step"]) if step_dir is not None else 0
+
+
 def safe_torch_load(path: Path, mmap: bool = False) -> Any:
     """torch.load that cannot run code (weights_only=True). Trainer states written before 2026-11-25 hold numpy's
     RNG state as an array: numpy's array reconstruction (and nothing else) is allowed for them."""

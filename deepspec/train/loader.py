@@ -3,7 +3,7 @@
 The order of micro-batches is the BatchPlan's (a pure function of seed and step), so resuming stays exact
 whichever loader runs. Two loaders behind one iterator of (step, micro index, batch):
 
-* `Prefetcher` (deepspec/train/batches.py): one background thread, `depth` batches ahead, the default. A sample
+* `Prefetcher` (deepspec/data/batches.py): one background thread, `depth` batches ahead, the default. A sample
   is read as zero-copy views of the mapped cache and copied once into the batch — page-locked on CUDA (torch's
   host allocator recycles those blocks), a recycled buffer elsewhere — by torch copies that release the GIL.
   Datasets that cannot leave this process (online features from a target held here) always use it.
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from deepspec.drafts.base import DraftBatch
-from deepspec.train.batches import Prefetcher
+from deepspec.data.batches import Prefetcher
 
 Schedule = Iterable[tuple[int, int, list[int]]]
 # (batch, step, micro index) -> the batch with its step plan (deepspec/drafts/plan.py)

@@ -39,7 +39,7 @@ from deepspec.locks import folder_lock
 from deepspec.log import get_logger, progress
 from deepspec.train import checkpoint as ckpt
 from deepspec.train.build import build_parts, default_write_draft
-from deepspec.train.batches import BatchPlan, collate_fn, packing, sample_lengths, supervise_all_tokens
+from deepspec.data.batches import BatchPlan, collate_fn, packing, sample_lengths, supervise_all_tokens
 from deepspec.train.dist import DistInfo, all_reduce_sum, init_distributed, reduce_metrics, teardown
 from deepspec.train.loggers import MetricLoggers, format_postfix
 from deepspec.train.parts import TrainParts
@@ -100,7 +100,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         raise ConfigError("train.optimizer=muon needs whole weight matrices; use train.parallel=ddp with Muon (or adamw with fsdp).")
     model = parts.model
     plan = BatchPlan(len(parts.train_data), tcfg.global_batch_size, tcfg.micro_batch_size, info.world, tcfg.seed, tcfg.bucketing)
-    total_steps = tcfg.max_steps or max(1, math.floor(tcfg.epochs * plan.steps_per_epoch))
+    total_steps = plan.total_steps(tcfg.max_steps, tcfg.epochs)
     lengths = sample_lengths(parts.train_data)
     collate = collate_fn(parts.train_data)
     if tcfg.loss_tokens == "all":

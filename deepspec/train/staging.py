@@ -12,7 +12,7 @@ host allocator). On a CPU a batch is only cast, as before.
 
 A batch whose tensors are already on the GPU (cache.mode=online: the target's features, packed there too) must be
 complete when the loader hands it over: the stager reads it on its own stream without waiting for the stream that
-made it. OnlineFeatures and pack_batch (deepspec/train/batches.py) wait for their own work before returning.
+made it. OnlineFeatures and pack_batch (deepspec/data/batches.py) wait for their own work before returning.
 
 The supervised-token and real-token counts are read on the host from the CPU copy, before any
 transfer, so the loop needs no device-to-host sync per micro-batch.

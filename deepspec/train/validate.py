@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deepspec.train.batches import collate_fn
+from deepspec.data.batches import collate_fn
 from deepspec.train.dist import DistInfo, reduce_metrics
 from deepspec.train.staging import feature_dtype
 from deepspec.train.weighting import micro_batch_weight

@@ -174,7 +174,7 @@ def widen(item: dict[str, Any], dtype=None) -> dict[str, Any]:
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int = 1):
     """Right-pad samples into a DraftBatch (attention_mask marks real tokens; padding is never in loss_mask)."""
-    from deepspec.train.batches import collate_features
+    from deepspec.data.batches import collate_features
 
     if not samples:
         raise CacheError("collate() got an empty list of samples.")

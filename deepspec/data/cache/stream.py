@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deepspec.data.batches import BatchPlan, total_steps
 from deepspec.data.cache import spool as sp
 from deepspec.data.cache.channel import FileChannel, open_channel
 from deepspec.data.cache.writer import Sample, _batches, _featurizer, _load_plan_inputs, encode_sample, make_plan, materialize
@@ -103,7 +104,6 @@ class Producer:
             self._heartbeat("failed" if "error" in self.stats else "stopped", force=True)
 
     def _run(self, max_idle_s: float | None) -> dict[str, Any]:
-        from deepspec.train.batches import BatchPlan
 
         tokenizer, tconf = _load_plan_inputs(self.cfg)
         plan = make_plan(self.cfg, "train", tokenizer, tconf)
@@ -288,16 +288,6 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-def _resume_step(cfg) -> int:
-    """The step a (re)started trainer resumes at: that of its newest intact checkpoint, as the training loop finds it."""
-    if not cfg.train.resume:
-        return 0
-    from deepspec.train.checkpoint import latest_step_dir, load_trainer_state
-
-    step_dir = latest_step_dir(cfg.run_dir)
-    return int(load_trainer_state(step_dir)["step"]) if step_dir is not None else 0
-
-
 def start_local_producers(cfg, spool: Path, count: int) -> list[subprocess.Popen]:
     """`cache.stream_producers` producers on this machine, children of this trainer process (they exit when it does),
     each logging to <spool>/producer.<w>.log. The recipe travels as the resolved config, so they plan what it plans."""
@@ -333,12 +323,12 @@ def stop_local_producers(procs: list[subprocess.Popen], grace_s: float | None = 
                 p.kill()
 
 
-def open_stream_datasets(cfg, info):
+def open_stream_datasets(cfg, info, start_step: int):
     """cache.mode=stream: training samples come through the spool (rank 0 publishes the plan and starts the local
     producers); validation reads the held-out offline cache when it was built (small: `deepspec data cache --split
-    heldout`, which `deepspec run` does), else training runs without validation."""
+    heldout`, which `deepspec run` does), else training runs without validation. `start_step`: the step the trainer
+    resumes at (its newest intact checkpoint's, 0 for a new run), where the ranks start reading."""
     import atexit
-    import math
 
     import torch.distributed as dist
 
@@ -347,16 +337,15 @@ def open_stream_datasets(cfg, info):
     tokenizer, tconf = _load_plan_inputs(cfg)
     plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
     G = cfg.train.global_batch_size
-    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * (len(plan.samples) // max(G, 1))))
+    total = total_steps(len(plan.samples), G, cfg.train.max_steps, cfg.train.epochs)
     reader: list = []  # this rank's SpoolDataset, once made (the producers' stop at exit asks whether it finished)
     spool = spool_dir(cfg)
     spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
-    start_step = _resume_step(cfg)
     channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
     if info.is_main:
         for stale in (f"{sp.DONE}.", "pos."):
             channel.delete_matching(stale)
-        doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total_steps, bucketing=cfg.train.bucketing)
+        doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total, bucketing=cfg.train.bucketing)
         # where the ranks will start reading, so producers fill the first steps while the trainer still builds its model
         sp.put_json(channel, sp.PLAN, {**doc, "world": info.world, "start_step": start_step})
         if cfg.cache.stream_producers:

@@ -25,7 +25,7 @@ import torch
 
 from deepspec.drafts.base import DraftBatch
 from deepspec.errors import ConfigError
-from deepspec.train.buffers import POOL
+from deepspec.data.buffers import POOL
 
 
 @functools.lru_cache(maxsize=4)
@@ -34,6 +34,13 @@ def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     several steps' batches many times a second; a 1M-sample randperm costs ~10 ms)."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(num_samples, generator=g)
+
+
+def total_steps(num_samples: int, global_batch: int, max_steps: int | None, epochs: float) -> int:
+    """How many optimizer steps a run takes: `train.max_steps` when set, else `train.epochs` over the full global
+    batches of an epoch (the incomplete last one dropped), at least one. The trainer and a streamed run's plan
+    document (what its producers make) both count by this rule."""
+    return max_steps or max(1, math.floor(epochs * (num_samples // max(global_batch, 1))))
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,9 @@ class BatchPlan:
     @property
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch  # the incomplete last batch is dropped
+
+    def total_steps(self, max_steps: int | None, epochs: float) -> int:
+        return total_steps(self.num_samples, self.global_batch, max_steps, epochs)
 
     def global_indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
@@ -141,7 +151,7 @@ class Prefetcher:
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Uninitialised host memory for a batch tensor: page-locked when it will be copied to a GPU (torch's host
     allocator recycles those blocks), shared when collated in a DataLoader worker process (handing it to the
-    trainer process copies nothing), else a recycled buffer (deepspec/train/buffers.py: fresh pages cost more
+    trainer process copies nothing), else a recycled buffer (deepspec/data/buffers.py: fresh pages cost more
     than the copy)."""
     if pin:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -310,7 +320,7 @@ def pack_batch(batch: DraftBatch, pack_tokens: int, pin: bool = False) -> DraftB
         from deepspec.errors import DataError
 
         raise DataError(f"pack_batch needs right-padded rows (real tokens first); rows {ragged[:5]} are not. "
-                        "Collate with deepspec.train.batches.collate_features, which right-pads.")
+                        "Collate with deepspec.data.batches.collate_features, which right-pads.")
     names = ["input_ids", "loss_mask", "attention_mask", "taps", "final_hidden"]
     names += [k for k in ("taps_scale", "final_scale") if getattr(batch, k) is not None]
     sources = {}
