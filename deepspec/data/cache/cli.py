@@ -41,8 +41,8 @@ def main(args: argparse.Namespace) -> int:
 
     if (args.verify or args.audit) and (Path(args.config) / "manifest.json").is_file():
         directory = Path(args.config)
-        return (verify_dirs([("cache", directory)], f"deepspec data cache {directory} --verify") if args.verify else 0) or (
-            audit_dirs([("cache", directory)], None) if args.audit else 0)
+        return (verify_dirs([(directory.name, directory)]) if args.verify else 0) or (
+            audit_dirs([(directory.name, directory)], None) if args.audit else 0)
     cfg = config_from_args(args)
     splits = splits_to_build(cfg, args.split)
     if args.verify or args.audit:
@@ -62,10 +62,10 @@ def verify(cfg, splits: list[str]) -> int:
     sentence on stderr; 1 when any shard is damaged."""
     from deepspec.data.cache.writer import split_paths
 
-    return verify_dirs([(split, split_paths(cfg, split)[1]) for split in splits], "deepspec data cache CONFIG")
+    return verify_dirs([(split, split_paths(cfg, split)[1]) for split in splits])
 
 
-def verify_dirs(dirs: list[tuple[str, Path]], rerun: str) -> int:
+def verify_dirs(dirs: list[tuple[str, Path]]) -> int:
     from deepspec.data.cache import format as fmt
     from deepspec.data.cache.verify import verify_cache
 
@@ -75,8 +75,8 @@ def verify_dirs(dirs: list[tuple[str, Path]], rerun: str) -> int:
         bad = r.bad_samples
         print(json.dumps({"split": split, "dir": str(directory), "samples": r.samples, "corrupt": bad[:20], "num_corrupt": len(bad),
                           "ok": r.ok, "shards": r.shards, "damaged_shards": [fmt.shard_name(s) for s in sorted(r.damaged)],
-                          "bytes": r.bytes, "seconds": round(r.seconds, 3), "verdict": r.verdict(rerun)}))
-        print(r.verdict(rerun), file=sys.stderr)
+                          "bytes": r.bytes, "seconds": round(r.seconds, 3), "verdict": r.verdict()}))
+        print(r.verdict(), file=sys.stderr)
         status = status or (0 if r.ok else 1)
     return status
 

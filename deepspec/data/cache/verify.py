@@ -49,14 +49,16 @@ class VerifyResult:
     def bad_samples(self) -> list[str]:
         return [sid for ids in self.damaged.values() for sid in ids]
 
-    def verdict(self, rerun: str = "deepspec data cache CONFIG") -> str:
-        """One sentence: what was checked, or which shards are damaged and how to rebuild them."""
+    def verdict(self) -> str:
+        """One sentence: what was checked, or which shards are damaged and how to rebuild them (the cache's recipe,
+        CONFIG, is copied beside it as config.yaml)."""
         if self.ok:
             return (f"ok: {self.shards} shard(s), {self.samples} samples, {self.bytes / GIB:.3f} GiB of {self.directory} "
                     f"verified in {self.seconds:.1f} s.")
         names = ", ".join(f"{fmt.shard_name(s)} ({len(ids)} sample(s), e.g. {ids[0]!r})" for s, ids in sorted(self.damaged.items()))
         return (f"{len(self.damaged)} of {self.shards} shard(s) of {self.directory} fail their checksums: {names}; "
-                f"delete those shard files and rerun `{rerun}`, which rewrites only the missing shards (or rebuild with --overwrite).")
+                "delete those shard files and rerun `deepspec data cache CONFIG` with the recipe that built the cache (a copy is "
+                f"its config.yaml), which rewrites only the missing shards.")
 
 
 def _crc(view: memoryview, bar) -> int:
