@@ -73,7 +73,7 @@ def main() -> int:
 
     from deepspec.drafts.checkpoint import read_draft_config
     from deepspec.eval.engine import VLLM_METHODS
-    from deepspec.eval.runner import render_prompt
+    from deepspec.data.chat import render_prompt
     from deepspec.export.writers import export_draft
     from deepspec.data.engines.server import VLLMServer, counters_delta
     from deepspec.targets import load_tokenizer, resolve_target_path

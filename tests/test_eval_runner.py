@@ -170,7 +170,7 @@ def test_custom_task_and_named_heldout_split(tiny_ckpt, datasets_dir, tmp_path):
     # the system message is part of the prompt: the tool-use row renders longer than its user turn alone
     from transformers import AutoTokenizer
 
-    from deepspec.eval.runner import render_prompt
+    from deepspec.data.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(json.loads((out / "results.json").read_text())["meta"]["target"]["target_path"])
     agentic = [s for s in samples if s["task"] == "heldout:agentic"][0]

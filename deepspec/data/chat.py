@@ -42,6 +42,13 @@ def render_text(tokenizer, messages: Sequence[dict[str, Any]], chat_template_kwa
         raise DataError(f"The target's chat template could not render a conversation ({e}); check the roles/contents.") from None
 
 
+def render_prompt(tokenizer, messages: Sequence[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt's token ids with the generation prompt, as regeneration and the cache render it (same kwargs): what
+    the evaluator and a served engine see before the answer."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _candidates(content: str) -> list[str]:
     """Texts a template may render for one assistant message, most faithful first.
 

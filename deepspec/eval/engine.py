@@ -163,7 +163,7 @@ class _Client:
         self._lock = threading.Lock()
 
     def chat(self, messages: list[dict], seed: int) -> str | None:
-        from deepspec.eval.runner import render_prompt
+        from deepspec.data.chat import render_prompt
 
         kwargs = dict(self.cfg.target.chat_template_kwargs or {})
         n_prompt = len(render_prompt(self.tok, messages, kwargs))
@@ -312,13 +312,12 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     from deepspec.data.engines.server import VLLMServer
     from deepspec.targets import load_tokenizer, resolve_target_path
 
-    from deepspec.eval.runner import protocol
-    from deepspec.eval.sampling import is_greedy
+    from deepspec.results import is_greedy, protocol_name
 
     algo = meta.get("algorithm")
     s = engine_speculative_tokens(cfg, meta)
     seeded = engine_seeded()
-    proto = protocol(cfg)
+    proto = protocol_name(cfg.eval.temperature, cfg.eval.draft_sample_method)
     greedy, aligned = is_greedy(cfg.eval.temperature), cfg.eval.num_draft_tokens == s
     if greedy and not aligned:
         log.info("ours drafts %d tokens per round, the engine %d: per-depth acceptance is compared on different rounds "

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.errors import CheckpointError, ConfigError
+from deepspec.data.chat import render_prompt
 from deepspec.log import get_logger, progress
+from deepspec.results import protocol_name
 
 log = get_logger(__name__)
 
@@ -162,12 +164,6 @@ def build_work(cfg) -> tuple[list[WorkItem], dict[str, dict]]:
 def first_messages(row: dict) -> list[dict]:
     """The row's system message (held-out tool-use prompts carry their tools there), if any."""
     return [{"role": "system", "content": row["system"]}] if row.get("system") else []
-
-
-def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """Chat template with the generation prompt, as at regeneration / cache time (same kwargs)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem], rank: int = 0, world: int = 1,
@@ -376,9 +372,7 @@ MEAN_KEYS = ("tau", "acc0", "E[A]@S3", "E[A]@S7", "tau@3", "speedup")
 
 
 def protocol(cfg) -> str:
-    """The draft-sampling protocol every figure of this eval was measured under (eval/sampling.py)."""
-    from deepspec.eval.sampling import protocol_name
-
+    """The draft-sampling protocol every figure of this eval was measured under (deepspec/results.py)."""
     return protocol_name(cfg.eval.temperature, cfg.eval.draft_sample_method)
 
 
