@@ -557,10 +557,13 @@ def _our_side(ckpt: Path, cfg: dict[str, Any], ds: dict[str, Any]):
     return draft, make_inputs(draft, num_layers)
 
 
+# head sizes vLLM's CPU attention kernels take (CPUAttentionBackend.get_supported_head_sizes in vLLM 0.32)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def _vllm_unchecked(algo: str, ckpt: Path) -> str | None:
     """Why vLLM's classes cannot check this export here, or None."""
     from deepspec.drafts.checkpoint import read_draft_config
-    from deepspec.export.check_vllm import CPU_HEAD_SIZES
 
     if algo not in VLLM_CLASSES:
         return f"no vLLM check for {algo} (EAGLE-3 / 3.1, DFlash and DSpark are covered)."

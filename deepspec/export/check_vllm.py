@@ -31,8 +31,6 @@ from pathlib import Path
 
 import torch
 
-# head sizes vLLM's CPU attention kernels take (CPUAttentionBackend.get_supported_head_sizes in vLLM 0.32)
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _DIST = {"ready": False}
 
 

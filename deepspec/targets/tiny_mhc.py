@@ -243,7 +243,7 @@ AutoModelForCausalLM.register(TinyMHCConfig, TinyMHCForCausalLM, exist_ok=True)
 
 def tiny_mhc_target(seed: int = 0, **overrides: Any):
     """(model, tokenizer): the tiny multi-stream target in fp32, eval mode, frozen; the same weights for a seed."""
-    from deepspec.targets.tiny import tiny_tokenizer
+    from deepspec.targets.tiny_tokenizer import tiny_tokenizer
 
     torch.manual_seed(seed)
     model = TinyMHCForCausalLM(TinyMHCConfig(**overrides)).float()
