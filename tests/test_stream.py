@@ -582,7 +582,8 @@ def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_p
 def test_a_read_record_evicted_before_its_move_is_kept_from_the_bytes_read(tmp_path):
     """With cache.spool_keep, once a reader has published its next position a producer may evict the record it just read
     (it is no longer wanted) before the reader moves it to kept/: the kept copy is then written from the bytes read."""
-    from deepspec.data.cache.keep import consume, kept_path
+    from deepspec.data.cache.keep import kept_path
+    from deepspec.data.cache.spool import consume
 
     path = tmp_path / "3.rec"
     path.write_bytes(b"record bytes")

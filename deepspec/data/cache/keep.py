@@ -18,36 +18,14 @@ import numpy as np
 
 from deepspec.data.cache import format as fmt
 from deepspec.data.cache import spool as sp
-from deepspec.data.cache.channel import FileChannel
 from deepspec.diskfull import room_for
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 
 log = get_logger(__name__)
 
-KEPT = "kept"
-
-
 def kept_path(spool: Path, index: int) -> Path:
-    return spool / KEPT / f"{index}{sp.SUFFIX}"
-
-
-def consume(path: Path, keep: bool, blob: bytes | None = None) -> None:
-    """A record the trainer has read: deleted, or moved to kept/ (once: a copy already kept is the same bytes).
-    `blob`: the bytes the trainer read. Once it has published its next position a producer may take the file as no
-    longer wanted and evict it before this move; the kept copy is then written from those bytes."""
-    if keep:
-        dst = path.parent / KEPT / path.name
-        dst.parent.mkdir(exist_ok=True)
-        if not dst.exists():
-            try:
-                os.replace(path, dst)
-            except FileNotFoundError:
-                if blob is None:
-                    raise
-                FileChannel(dst.parent).put(dst.name, blob, durable=True, what="the kept record")
-            return
-    path.unlink(missing_ok=True)
+    return spool / sp.KEPT / f"{index}{sp.SUFFIX}"
 
 
 def restore(spool: Path, index: int) -> int:
@@ -69,7 +47,7 @@ def restore(spool: Path, index: int) -> int:
 def write_cache(cfg, plan, spool: Path, target_config) -> Path:
     """Every kept record, in the plan's shards and order, as the offline train cache; returns its folder."""
     from deepspec.config import save_config
-    from deepspec.data.cache.writer import _plan_check, commit_shard, count_loss_tokens, finalize, shard_done, target_identity
+    from deepspec.data.cache.writer import check_resumable_plan, commit_shard, count_loss_tokens, finalize, shard_done, target_identity
 
     directory = Path(cfg.cache_train_dir)
     if fmt.is_complete(directory):
@@ -77,10 +55,10 @@ def write_cache(cfg, plan, spool: Path, target_config) -> Path:
         return directory
     missing = [s.id for i, s in enumerate(plan.samples) if not kept_path(spool, i).exists()]
     if missing:
-        raise CacheError(f"{len(missing)} planned samples (e.g. {missing[0]!r}) are not in {spool / KEPT}; "
+        raise CacheError(f"{len(missing)} planned samples (e.g. {missing[0]!r}) are not in {spool / sp.KEPT}; "
                          "rerun `deepspec data stream` with cache.spool_keep=true to make them.")
     directory.mkdir(parents=True, exist_ok=True)
-    _plan_check(directory, plan)
+    check_resumable_plan(directory, plan)
     for s, (a, b) in enumerate(plan.shards):
         if shard_done(directory, plan, s):
             continue

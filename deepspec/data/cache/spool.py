@@ -46,6 +46,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from deepspec.data.cache import format as fmt
+from deepspec.data.cache.channel import FileChannel
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 from deepspec import preemption
@@ -56,6 +57,7 @@ MAGIC = b"DSSPOOL1"
 PLAN = "plan.json"
 DONE = "done"
 SUFFIX = ".rec"
+KEPT = "kept"  # cache.spool_keep: read records move here (deepspec/data/cache/keep.py writes the cache from them)
 _HEADER_ROOM = 512  # the JSON header is padded to this many bytes, so records start aligned
 
 
@@ -336,8 +338,6 @@ class SpoolDataset:
         if k is not None:  # before the delete: a producer that then finds the record gone also finds it consumed
             self._publish(k + 1)
         if self.keep:
-            from deepspec.data.cache.keep import consume
-
             consume(record_path(self.channel.folder, i), True, blob)
         else:
             self.channel.delete(name)
@@ -400,3 +400,20 @@ class SpoolDataset:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+
+def consume(path: Path, keep: bool, blob: bytes | None = None) -> None:
+    """A record the trainer has read: deleted, or moved to kept/ (once: a copy already kept is the same bytes).
+    `blob`: the bytes the trainer read. Once it has published its next position a producer may take the file as no
+    longer wanted and evict it before this move; the kept copy is then written from those bytes."""
+    if keep:
+        dst = path.parent / KEPT / path.name
+        dst.parent.mkdir(exist_ok=True)
+        if not dst.exists():
+            try:
+                os.replace(path, dst)
+            except FileNotFoundError:
+                if blob is None:
+                    raise
+                FileChannel(dst.parent).put(dst.name, blob, durable=True, what="the kept record")
+            return
+    path.unlink(missing_ok=True)

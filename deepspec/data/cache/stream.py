@@ -22,7 +22,7 @@ from typing import Any
 from deepspec.data.batches import BatchPlan, total_steps
 from deepspec.data.cache import spool as sp
 from deepspec.data.cache.channel import FileChannel, open_channel
-from deepspec.data.cache.writer import Sample, _batches, _featurizer, _load_plan_inputs, encode_sample, make_plan, materialize
+from deepspec.data.cache.writer import Sample, length_batches, make_featurizer, load_plan_inputs, encode_sample, make_plan, materialize
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 
@@ -105,7 +105,7 @@ class Producer:
 
     def _run(self, max_idle_s: float | None) -> dict[str, Any]:
 
-        tokenizer, tconf = _load_plan_inputs(self.cfg)
+        tokenizer, tconf = load_plan_inputs(self.cfg)
         plan = make_plan(self.cfg, "train", tokenizer, tconf)
         if self.channel is None:
             self.channel = open_channel(self.cfg, self.spool, role="producer", share_bytes=self.budget,
@@ -117,7 +117,7 @@ class Producer:
         G = int(doc["global_batch"])
         order = BatchPlan(len(plan.samples), G, G, 1, int(doc["seed"]), doc["bucketing"])
         lengths = [s.length for s in plan.samples]
-        featurize, close = _featurizer(plan, self.cfg, self.device, self.model)
+        featurize, close = make_featurizer(plan, self.cfg, self.device, self.model)
         self._adopt()
         log.info("producer %d of %d: %d samples planned, spool %s, %s of its %s cap", self.w, self.n,
                  len(plan.samples), self.channel.where, _size(self.budget), _size(self.cfg.cache.spool_gb * 1e9))
@@ -213,9 +213,9 @@ class Producer:
     def _complete_kept(self, plan, featurize, tokenizer, tconf) -> None:
         """After the trainer's last read: make this producer's share of the samples it never read straight into kept/,
         then (producer 0) write every kept record as the offline train cache once the others are done too."""
-        from deepspec.data.cache.keep import KEPT, kept_path, write_cache
+        from deepspec.data.cache.keep import kept_path, write_cache
 
-        kept = self.spool / KEPT
+        kept = self.spool / sp.KEPT
         kept.mkdir(exist_ok=True)
         todo = [i for i in range(len(plan.samples)) if i % self.n == self.w and not kept_path(self.spool, i).exists()]
         self._heartbeat("making the samples the trainer never read, for the kept cache", force=True)
@@ -261,7 +261,7 @@ class Producer:
     def _produce(self, plan, todo: list[int], featurize, tokenizer, into=None) -> None:
         samples = materialize(plan, [plan.samples[i] for i in todo], tokenizer)
         index_of = {id(s): i for s, i in zip(samples, todo)}
-        for batch in _batches(sorted(samples, key=lambda s: len(s.input_ids)), self.cfg.cache.batch_tokens):
+        for batch in length_batches(sorted(samples, key=lambda s: len(s.input_ids)), self.cfg.cache.batch_tokens):
             for sample, feats in featurize(batch):
                 self._write(plan, index_of[id(sample)], sample, encode_sample(sample, feats, plan.dtype), into)
 
@@ -334,7 +334,7 @@ def open_stream_datasets(cfg, info, start_step: int):
 
     from deepspec.data.cache.writer import tap_rows
 
-    tokenizer, tconf = _load_plan_inputs(cfg)
+    tokenizer, tconf = load_plan_inputs(cfg)
     plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
     G = cfg.train.global_batch_size
     total = total_steps(len(plan.samples), G, cfg.train.max_steps, cfg.train.epochs)
