@@ -66,7 +66,7 @@ def main() -> int:
 
     from deepspec.config import config_from_dict
     from deepspec.data.cache.reader import CacheDataset, widen
-    from deepspec.data.cache.writer import _load_plan_inputs, finalize, make_plan, write_shards
+    from deepspec.data.cache.writer import load_plan_inputs, finalize, make_plan, write_shards
     from deepspec.targets import load_target
 
     target = load_target("smollm2-135m-instruct", device="cpu")
@@ -81,7 +81,7 @@ def main() -> int:
                 "data": {"dir": str(root / "data")},
                 "cache": {"dir": str(root / dtype), "dtype": dtype, "max_length": args.max_length, "batch_tokens": 4096},
             })
-            tokenizer, tconf = _load_plan_inputs(cfg)
+            tokenizer, tconf = load_plan_inputs(cfg)
             plan = make_plan(cfg, "train", tokenizer, tconf)
             d = cfg.cache_train_dir
             d.mkdir(parents=True)

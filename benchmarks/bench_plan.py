@@ -53,7 +53,7 @@ def main() -> None:
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
 
     from deepspec.config import load_config
-    from deepspec.data.cache.writer import _load_plan_inputs, make_plan
+    from deepspec.data.cache.writer import load_plan_inputs, make_plan
     from deepspec.eval.engine import machine_description
     from deepspec.targets.embedded import embedded_target_dir
 
@@ -61,7 +61,7 @@ def main() -> None:
     cfg = load_config(None, [f"target.name={embedded_target_dir()}", f"data.dir={work / 'data'}", "cache.max_length=2048"])
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     write_chats(cfg.regenerated_path, args.conversations, args.turns, args.words)
-    tok, tconf = _load_plan_inputs(cfg)
+    tok, tconf = load_plan_inputs(cfg)
     t0 = time.perf_counter()
     first = make_plan(cfg, "train", tok, tconf, count_tokens=True)
     tokenize_s = time.perf_counter() - t0

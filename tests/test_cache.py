@@ -487,12 +487,12 @@ def test_online_features_equal_cache(bf16_cache, tiny_llama_dir):
 
 def test_input_changed_mid_build_is_refused(data_root, tiny_llama_dir, tmp_path):
     """Plans keep only offsets and lengths; a file edited under a running build must not be mixed in."""
-    from deepspec.data.cache.writer import _load_plan_inputs, make_plan, materialize
+    from deepspec.data.cache.writer import load_plan_inputs, make_plan, materialize
     from deepspec.errors import DataError
 
     shutil.copytree(data_root / "data", tmp_path / "data")
     cfg = make_cfg(tmp_path, tiny_llama_dir)
-    tok, tconf = _load_plan_inputs(cfg)
+    tok, tconf = load_plan_inputs(cfg)
     plan = make_plan(cfg, "train", tok, tconf)
     assert all(s.input_ids is None for s in plan.samples)  # nothing heavy held by the plan
     first = materialize(plan, plan.samples[:2], tok)
@@ -574,8 +574,8 @@ def test_vllm_capture_refuses_concat_of_a_multi_stream_target():
     """vLLM hands back one H-wide state per layer: a concat cache of a multi-stream target is refused before vLLM starts."""
     from types import SimpleNamespace
 
-    from deepspec.data.cache.writer import _featurizer
+    from deepspec.data.cache.writer import make_featurizer
 
     plan = SimpleNamespace(signature={"taps": [1, 2], "capture_backend": "vllm", "hc_mult": 4, "tap_reduction": "concat"})
     with pytest.raises(CacheError, match="capture_backend=hf"):
-        _featurizer(plan, None, None, None)
+        make_featurizer(plan, None, None, None)

@@ -60,7 +60,7 @@ def test_device_conversion_writes_the_host_paths_bytes(tmp_path, data_dir, tiny_
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     new = writer.build_cache(_cfg(tmp_path / "new", data_dir, tiny_llama_dir, dtype, target_dtype), "train")
     with monkeypatch.context() as m:
-        m.setattr(writer, "_featurizer", _host_path_featurizer)
+        m.setattr(writer, "make_featurizer", _host_path_featurizer)
         old = writer.build_cache(_cfg(tmp_path / "old", data_dir, tiny_llama_dir, dtype, target_dtype), "train")
     a, b = _content(new), _content(old)
     assert len([n for n in a if n.endswith(".bin")]) >= 2  # several shards, several batches each

@@ -35,10 +35,10 @@ def _fields(plan) -> tuple:
 
 
 def test_a_plan_is_tokenized_once_and_loaded_as_made(tmp_path, tiny_llama_dir, logs):
-    from deepspec.data.cache.writer import _load_plan_inputs, make_plan
+    from deepspec.data.cache.writer import load_plan_inputs, make_plan
 
     cfg = _config(tmp_path, tiny_llama_dir)
-    tok, tconf = _load_plan_inputs(cfg)
+    tok, tconf = load_plan_inputs(cfg)
     first = make_plan(cfg, "train", tok, tconf, count_tokens=True)
     assert not [m for m in logs.messages if "loaded from" in m]
     stored = list((cfg.data_dir / ".plans").glob("train-*.npz"))

@@ -98,10 +98,10 @@ class OnlineFeatures:
         """Per-sample dicts shaped exactly like CacheDataset items."""
         import torch
 
-        from deepspec.data.cache.writer import _batches
+        from deepspec.data.cache.writer import length_batches
 
         out = []
-        groups = _batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
+        groups = length_batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
         n = len(self.taps)
         for group in groups:
             with target_lock(self.model):  # the hooks of a forward running elsewhere would catch this one's taps
@@ -143,7 +143,7 @@ class OnlineFeatures:
         cache's collate pads); ids and masks on the host (page-locked with `pin`), as the trainer counts them there."""
         import torch
 
-        from deepspec.data.cache.writer import _batches, device_features
+        from deepspec.data.cache.writer import length_batches, device_features
         from deepspec.drafts.base import DraftBatch
 
         samples = list(samples)
@@ -163,7 +163,7 @@ class OnlineFeatures:
         # one forward at a time on this target (target_lock), held until its features are complete; the stream is
         # chosen under the lock too, so two threads' first batches do not each make one
         with target_lock(self.model), self._on_target_stream():
-            groups = _batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
+            groups = length_batches(samples, self.max_batch_tokens) if self.max_batch_tokens else [samples]
             if len(groups) == 1:
                 feats = device_features(self.model, samples, self.taps, self.tap_reduction)
             else:  # several target forwards: rows gathered into one [B, T, ...] tensor on the device

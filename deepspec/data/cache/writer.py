@@ -274,7 +274,7 @@ def estimate(plan: Plan) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- capture
 
 
-def _batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
+def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:
     """Consecutive samples whose padded size (n * longest) stays <= batch_tokens (>= 1 sample)."""
     out: list[list[Sample]] = []
     cur: list[Sample] = []
@@ -379,7 +379,7 @@ def _capture_shard(tmp: Path, by_length: list[Sample], plan: Plan, s: int, featu
         with open(tmp, "wb") as f:
             writer = _RecordWriter(f, plan.dtype, s, rows, counts, row_of)
             try:
-                for batch in _batches(by_length, plan.signature["batch_tokens"]):
+                for batch in length_batches(by_length, plan.signature["batch_tokens"]):
                     writer.put(list(featurize(batch)))
                     bar.update(sum(len(x.input_ids) for x in batch))
                     bar.bytes_written += sum(fmt.record_nbytes(len(x.input_ids), plan.n_layers, plan.hidden_size, plan.dtype) for x in batch)
@@ -510,8 +510,8 @@ def write_shards(directory: Path, plan: Plan, rank: int, world: int, cfg, *, dev
         log.info("rank %d: %d shard(s) already complete, %d to write", rank, skipped, len(todo))
     if not todo:
         return 0
-    featurize, close = _featurizer(plan, cfg, device, model, session)
-    tokenizer, _ = _load_plan_inputs(cfg)
+    featurize, close = make_featurizer(plan, cfg, device, model, session)
+    tokenizer, _ = load_plan_inputs(cfg)
     total_tokens = sum(x.length for s in todo for x in plan.samples[plan.shards[s][0] : plan.shards[s][1]])
     bar = progress(total=total_tokens, desc=f"cache {plan.signature['split']}", unit="tok", unit_scale=True)
     bar.bytes_written = 0
@@ -549,7 +549,7 @@ class CaptureSession:
         self._engine = None
 
 
-def _featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSession | None = None):
+def make_featurizer(plan: Plan, cfg, device: str | None, model, session: CaptureSession | None = None):
     """(batch -> iterator of (sample, features)), and how to release it, for the plan's capture backend."""
     taps = plan.signature["taps"]
     reduction = plan.signature.get("tap_reduction", "mean")
@@ -627,7 +627,7 @@ def finalize(directory: Path, plan: Plan, provenance: dict[str, Any]) -> dict[st
 # ---------------------------------------------------------------------------------- driver
 
 
-def _plan_check(directory: Path, plan: Plan) -> None:
+def check_resumable_plan(directory: Path, plan: Plan) -> None:
     """A half-built cache may only be resumed with the same settings and data."""
     path = directory / fmt.PLAN
     if not path.is_file():
@@ -691,7 +691,7 @@ def _spawn_workers(mp, nproc: int, args: tuple) -> None:
         raise
 
 
-def _load_plan_inputs(cfg):
+def load_plan_inputs(cfg):
     from transformers import AutoConfig
 
     from deepspec.targets import load_tokenizer, resolve_target_path
@@ -705,7 +705,7 @@ def _load_plan_inputs(cfg):
 
 
 def plan_split(cfg, split: str) -> Plan:
-    tokenizer, tconf = _load_plan_inputs(cfg)
+    tokenizer, tconf = load_plan_inputs(cfg)
     return make_plan(cfg, split, tokenizer, tconf)
 
 
@@ -744,7 +744,7 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
         shutil.rmtree(directory)
     if world_env > 1:
         _barrier()
-    tokenizer, tconf = _load_plan_inputs(cfg)
+    tokenizer, tconf = load_plan_inputs(cfg)
     plan = make_plan(cfg, split, tokenizer, tconf)
     if fmt.is_complete(directory):
         manifest = fmt.load_manifest(directory)
@@ -764,10 +764,10 @@ def _build_cache(cfg, split: str, *, overwrite: bool, nproc: int | None, session
     _size_check(directory, plan, cfg, world_env, rank_env)  # before any file is written or any target is loaded
     directory.mkdir(parents=True, exist_ok=True)
     if rank_env == 0:
-        _plan_check(directory, plan)
+        check_resumable_plan(directory, plan)
     if world_env > 1:
         _barrier()
-        _plan_check(directory, plan)
+        check_resumable_plan(directory, plan)
         write_shards(directory, plan, rank_env, world_env, cfg=cfg)
         _barrier()
     else:
