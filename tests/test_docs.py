@@ -248,3 +248,20 @@ def test_mkdocs_build_strict(tmp_path: Path):
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "evaluation" / "index.html").is_file()
+
+
+def test_every_test_the_docs_name_exists():
+    """A doc row that names its proof (docs/reliability.md's, the training and data pages') names a test that exists:
+    `test_x` a test function or module, `test_x...` a prefix of one; a test renamed or folded into another must take
+    its rows with it."""
+    tests_dir = ROOT / "tests"
+    modules = {f.stem for f in tests_dir.glob("test_*.py")}
+    functions = {name for f in tests_dir.glob("test_*.py") for name in re.findall(r"^(?:async )?def (test_\w+)", f.read_text(), re.M)}
+    missing = []
+    for path in markdown_files():
+        for m in re.finditer(r"(test_\w+?)(\.\.\.|…)?(?=[\]\[`\s,;)|:.]|$)", path.read_text()):
+            name, prefix = m.group(1), m.group(2)
+            if name in modules or (any(f.startswith(name) for f in functions) if prefix else name in functions):
+                continue
+            missing.append(f"{rel(path)}: {name}{prefix or ''}")
+    assert not missing, f"docs name tests that do not exist: {missing}"
