@@ -92,3 +92,14 @@ def test_served_speedup_prompt_selection():
         speedup_tasks(load_config(None, ["eval.engine_speedup_tasks=[mbpp]"]), by_task)
     with pytest.raises(ConfigError, match="engine_speedup_max_samples"):
         load_config(None, ["eval.engine_speedup_max_samples=0"])
+
+
+@pytest.mark.parametrize("algo, why", [("dspark", "adaptive verification"), ("dflash2", "candidate walk")])
+def test_a_draft_only_vllms_gpu_runner_serves_is_refused_with_its_reason(algo, why, tmp_path):
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.engine import engine_eval
+
+    cfg = load_config(None, ["eval.engine=vllm"])
+    with pytest.raises(ConfigError, match=f"cannot serve '{algo}' drafts \\(.*{why}.*eval.engine=none"):
+        engine_eval(cfg, tmp_path, {"algorithm": algo, "model": {}}, "unused", [], {}, tmp_path)

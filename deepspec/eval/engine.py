@@ -32,7 +32,9 @@ from deepspec.log import get_logger
 
 log = get_logger(__name__)
 
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # DSpark needs vLLM's GPU model runner
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}  # DSpark and DFlash2 need vLLM's GPU model runner
+GPU_ONLY_WHY = {"dspark": "DSpark's adaptive verification runs in vLLM's GPU model runner",
+                "dflash2": "DFlash2's candidate walk is a GPU kernel in vLLM"}
 
 
 def export_for_vllm(cfg, checkpoint_dir: Path, target_path: str, out_dir: Path) -> tuple[Path, bool]:
@@ -315,6 +317,11 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     from deepspec.results import is_greedy, protocol_name
 
     algo = meta.get("algorithm")
+    urls = running_servers(cfg)
+    if not urls and algo not in VLLM_METHODS:  # checked before anything loads: a local server could not serve it
+        why = GPU_ONLY_WHY.get(algo, "vLLM has no speculative method for it")
+        raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts ({why}); "
+                          "use eval.engine=none or eval.engine_url with a GPU server.")
     s = engine_speculative_tokens(cfg, meta)
     seeded = engine_seeded()
     proto = protocol_name(cfg.eval.temperature, cfg.eval.draft_sample_method)
@@ -361,7 +368,6 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
     def pool_of(endpoints: list[Endpoint]) -> ServerPool:
         return ServerPool(endpoints, cfg.eval.engine_max_concurrency, down_grace_s=cfg.eval.engine_down_grace_s)
 
-    urls = running_servers(cfg)
     if urls:
         import httpx
 
@@ -384,9 +390,6 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
         out["draft_sample_method_assumed"] = cfg.eval.draft_sample_method
         out.update(engine="vllm", server=urls[0] if len(urls) == 1 else urls, num_speculative_tokens=s)
         return out
-    if algo not in VLLM_METHODS:
-        raise ConfigError(f"vLLM on this machine cannot serve '{algo}' drafts (DSpark needs vLLM's GPU model runner); "
-                          "use eval.engine=none or eval.engine_url with a GPU server.")
     target_path = resolve_target_path(target_name)
     export_dir, written = export_for_vllm(cfg, Path(checkpoint_dir), target_path, out_dir)
     export_check = check_own_export(export_dir, Path(checkpoint_dir)) if written else {"status": "not run: export.dir given"}
