@@ -4,19 +4,16 @@ torch.device context (how --recipe builds on CUDA), and the measured path runs a
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_draft_memory", ROOT / "benchmarks" / "bench_draft_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_draft_memory.py")
 
 
 @pytest.mark.parametrize("recipe", ["config/dflash/qwen3-4b.yaml", "config/eagle3/qwen3-4b.yaml"])

@@ -4,7 +4,6 @@ of this tree's loss, and b3a919e's step when its worktree is there."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,16 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_launches.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_launches", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

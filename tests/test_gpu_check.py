@@ -5,7 +5,6 @@ profile summary a row reports; building drafts under any torch.device context; b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,20 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from deepspec.train.flops import FlopCounter, attention_flops, count_flops
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
 
 
 def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 # ----------------------------------------------------------------------------- the attention formula

@@ -4,21 +4,19 @@ and the import circles stay few — the data-cache writer's is the one left."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "structure.py"
 
 
 def _structure():
-    spec = importlib.util.spec_from_file_location("structure", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_stages_import_one_way_and_no_private_names_cross_modules():
