@@ -118,11 +118,14 @@ class DSparkDraft(BlockDraft):
         state = None
         toks, probs = [], []
         self.last_confidence = []
+        self.last_confidence_logits = []  # the head's raw logits, per slot (what eval/calibration.py fits)
         for p in range(min(num_tokens, h.shape[0])):
             z, state = self.markov_head.step(h[p : p + 1], prev, state)
             if self.confidence_head is not None:
-                c = float(torch.sigmoid(self.confidence_head(h[p : p + 1], self.markov_head.markov_w1(prev))))
+                logit = self.confidence_head(h[p : p + 1], self.markov_head.markov_w1(prev))
+                c = float(torch.sigmoid(logit))
                 self.last_confidence.append(c)
+                self.last_confidence_logits.append(float(logit))
                 if threshold > 0 and c < threshold:
                     break
             logits = base[p] + self.markov_head.markov_w2(z)[0]

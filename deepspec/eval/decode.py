@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -69,7 +69,8 @@ def _draft_tap_reduction(proposer: Proposer) -> str:
 
 
 def _commit_round(stats: AcceptanceStats, accepted: list[int], num_proposed: int, target_token: int | None,
-                  eos_ids: set[int] | frozenset[int], room: int) -> tuple[list[int], bool]:
+                  eos_ids: set[int] | frozenset[int], room: int,
+                  on_round: Callable[[int, int], None] | None = None) -> tuple[list[int], bool]:
     """Settle one verify round into `stats`; return the tokens it commits (at most `room`) and whether the answer ended.
 
     An EOS among the accepted drafts ends the round there: the drafts after it were never really checked. Otherwise
@@ -83,6 +84,8 @@ def _commit_round(stats: AcceptanceStats, accepted: list[int], num_proposed: int
     if not stopped:
         new, stopped = accepted + [target_token], target_token in eos_ids
     stats.add_round(checked, len(accepted), min(len(new), room))
+    if on_round is not None:  # (drafts checked, drafts accepted), e.g. for confidence calibration
+        on_round(checked, len(accepted))
     return new[:room], stopped
 
 
@@ -138,6 +141,7 @@ def generate_speculative(
     generator: torch.Generator | None = None,
     tap_reduction: str | None = None,
     draft_sample_method: str = "probabilistic",
+    on_round: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Speculative decoding of one answer; returns the tokens and the per-round acceptance counters.
 
@@ -178,7 +182,7 @@ def generate_speculative(
             verify_taps = recorder.stacked(device)[0]  # [1 + k, n_taps, W]: this forward's positions
             n, emitted = verify(drafts, q[:k] if q is not None else None, out.logits[0], temperature, generator,
                                 method=draft_sample_method)
-            new, stopped = _commit_round(stats, drafts[:n].tolist(), k, emitted, eos_ids, max_new_tokens - len(tokens))
+            new, stopped = _commit_round(stats, drafts[:n].tolist(), k, emitted, eos_ids, max_new_tokens - len(tokens), on_round)
             tokens.extend(new)
             committed.extend(new)
             # keep the target cache for committed positions that it has processed (all but the newest token)
@@ -244,6 +248,7 @@ def replay_speculative(
     num_draft_tokens: int,
     eos_ids: set[int] | frozenset[int] = frozenset(),
     tap_reduction: str | None = None,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """`generate_speculative` at T=0 replayed against the target's greedy answer `greedy`: the same rounds, drafts
     and counters, with one target forward over prompt + answer instead of one verify forward per round.
@@ -286,7 +291,7 @@ def replay_speculative(
             n += 1
         # ref[n] is the target's own token after the accepted drafts; only an accepted EOS can leave none
         new, stopped = _commit_round(stats, drafts[:n], k, ref[n] if n < len(ref) else None, eos_ids,
-                                     max_new_tokens - len(tokens))
+                                     max_new_tokens - len(tokens), on_round)
         tokens.extend(new)
         committed.extend(new)
         new_taps = all_taps[seen : len(committed) - 1]

@@ -21,6 +21,7 @@ refuses a checkpoint whose recorded target does not match the target it is expor
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -217,6 +218,54 @@ REMOTE_MODULE = "modeling_deepspec_dflash"
 REMOTE_FILE = Path(__file__).with_name("hf_remote") / f"{REMOTE_MODULE}.py"
 
 
+def bake_confidence(weights: dict[str, torch.Tensor], a: float, b: float) -> dict[str, torch.Tensor]:
+    """Fold sigmoid(a * z + b) into the confidence head z = W x + c: W' = a W, c' = a c + b (fp32, as vLLM keeps it).
+
+    vLLM's DSparkConfidenceHead is one Linear shared by every draft position (qwen3_dspark.py: compute_confidence =
+    sigmoid(proj(x))), so only a global (a, b) can live in the weights; a per-position scaling has no row to go to."""
+    out = dict(weights)
+    out["confidence_head.proj.weight"] = weights["confidence_head.proj.weight"].float() * a
+    out["confidence_head.proj.bias"] = weights["confidence_head.proj.bias"].float() * a + b
+    return out
+
+
+def read_calibration(path: str | Path) -> dict[str, Any]:
+    """A calibration.json written by deepspec.eval.calibration; a user error when it is not one."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        a, b = float(data["bake"]["a"]), float(data["bake"]["b"])
+        data["temperatures"][f"{data['bake']['temperature']:g}"]["scaling"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{p} is not a calibration.json from `python -m deepspec.eval.calibration` ({e}); rerun the calibration.") from e
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ConfigError(f"{p} holds a non-finite calibration; rerun the calibration with more prompts.")
+    return data
+
+
+def calibration_record(calib: dict[str, Any]) -> dict[str, Any]:
+    """What config.json keeps of a calibration.json: the baked global pair and every per-position pair (which the
+    engine cannot apply), with the evaluation split's ECE, so nothing is dropped silently."""
+    bake = calib["bake"]
+    per = calib["temperatures"][f"{bake['temperature']:g}"]
+    return {"baked": {"a": bake["a"], "b": bake["b"], "temperature": bake["temperature"]},
+            "per_position_not_baked": {"a": per["scaling"]["a"], "b": per["scaling"]["b"]},
+            "ece_bins": calib["bins"], "ece_raw": per["ece_raw"], "ece_global_only": per["ece_global_only"],
+            "ece_per_position_calibrated": per["ece_calibrated"]}
+
+
+def calibration_card(rec: dict[str, Any]) -> str:
+    """The model card's section on the confidence calibration (README.md)."""
+    b = rec["baked"]
+    pos = ", ".join(f"{a:.3f}·z{bb:+.3f}" for a, bb in zip(rec["per_position_not_baked"]["a"], rec["per_position_not_baked"]["b"]))
+    return (f"\n## Confidence calibration\n\nThe confidence head's weights include a global temperature scaling "
+            f"sigmoid({b['a']:.4f}·z {b['b']:+.4f}) fitted at T = {b['temperature']:g} (raw z = the trained head's logit): "
+            f"vLLM's adaptive verification reads these calibrated values. The per-position fit ({pos}, position 1 first) "
+            f"cannot be carried by vLLM's shared head and is recorded in config.json (`deepspec.confidence_calibration`). "
+            f"ECE ({rec['ece_bins']} equal-mass bins) per position, raw: {rec['ece_raw']}; baked global: "
+            f"{rec['ece_global_only']}; per-position: {rec['ece_per_position_calibrated']}.\n")
+
+
 def _dspark(draft, meta, target_name: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     mcfg = meta["model"]
     layer = _sizes(meta["arch"], "qwen3")
@@ -313,13 +362,15 @@ def export_draft(
     dtype: str = "bfloat16",
     num_speculative_tokens: int | None = None,
     eval_results: str | Path | None = None,
+    calibration: str | Path | None = None,
 ) -> Path:
     """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`.
 
     `num_speculative_tokens`: the tokens per round the export is meant to be served with (recorded in
     config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
     block_size - 1). `eval_results`: the eval results.json the model card (README.md) reports (default:
-    `<checkpoint>/eval/results.json`; absent = the card says "not measured")."""
+    `<checkpoint>/eval/results.json`; absent = the card says "not measured"). `calibration`: a DSpark draft's
+    calibration.json (eval/calibration.py) whose global scaling is baked into the confidence head."""
     from deepspec.export.sglang import BUILDERS
     from deepspec.export.serve import served_tokens
 
@@ -344,6 +395,11 @@ def export_draft(
         cfg, weights = _dflash(draft, meta, target_cfg)
     elif algo == "dspark":
         cfg, weights = _dspark(draft, meta, target)
+        if calibration is not None:
+            calib = calibration_record(read_calibration(calibration))
+            if "confidence_head.proj.weight" not in weights:
+                raise ConfigError("--calibration needs a DSpark draft with a confidence head; this one has none.")
+            weights = bake_confidence(weights, calib["baked"]["a"], calib["baked"]["b"])
     elif algo == "dflash2":
         cfg, weights = _dflash2(draft, meta, target_cfg)
     else:
@@ -362,6 +418,8 @@ def export_draft(
     cfg["deepspec"] = {"algorithm": algo, "format": fmt, "taps": list(draft.taps), "source_checkpoint": str(Path(checkpoint).resolve()),
                        "provenance": meta.get("provenance", {}), "model": meta["model"],
                        "num_speculative_tokens": served_tokens(algo, meta["model"], num_speculative_tokens)}
+    if algo == "dspark" and calibration is not None:
+        cfg["deepspec"]["confidence_calibration"] = calib
     tensors = {}
     for k, v in weights.items():
         v = v.detach().cpu()
@@ -396,7 +454,10 @@ def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tenso
                 shutil.copyfile(REMOTE_FILE, tmp / REMOTE_FILE.name)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             n_params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
-            (tmp / "README.md").write_text(model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name))
+            card = model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name)
+            if "confidence_calibration" in cfg["deepspec"]:
+                card += calibration_card(cfg["deepspec"]["confidence_calibration"])
+            (tmp / "README.md").write_text(card)
             recipe = Path(checkpoint) / "config.yaml"
             if recipe.is_file():  # the fully resolved training recipe travels with the export
                 shutil.copyfile(recipe, tmp / "deepspec_config.yaml")

@@ -1,0 +1,261 @@
+"""Calibrated DSpark confidence (deepspec/eval/calibration.py): the per-position temperature fit, equal-mass ECE, the
+replay of vLLM's draft-slot admission, the global scaling baked into the exported head, and a tiny trained DSpark
+calibrated end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deepspec.eval.calibration import (Round, admit, calibration_report, ece, fit_logistic, fit_scaling, oracle_scores,
+                                       pairs, replay_table, sigmoid, write_calibration)
+
+
+def _synthetic_rounds(n: int, k: int, a_true: list[float], b_true: list[float], seed: int = 0) -> list[Round]:
+    """Rounds whose draft j is accepted (given the ones before it) with probability sigmoid(a_j z + b_j)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        z = rng.normal(1.0, 2.0, size=k)
+        acc = 0
+        while acc < k and rng.random() < sigmoid(a_true[acc] * z[acc] + b_true[acc]):
+            acc += 1
+        out.append(Round([float(v) for v in z], k, acc, answer=i % 40, temperature=0.0))
+    return out
+
+
+def test_fit_recovers_a_known_temperature_and_bias_per_position():
+    """Golden: labels drawn from sigmoid(0.4 z + 0.3) at position 1 and sigmoid(0.25 z - 0.5) at position 2 (raw logits
+    z overconfident by 2.5x and 4x); the NLL fit finds those (a, b); a position with too few pairs takes the global pair."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(0.0, 3.0, size=40000)
+    y = (rng.random(40000) < sigmoid(0.4 * z + 0.3)).astype(float)
+    a, b = fit_logistic(z, y)
+    assert a == pytest.approx(0.4, abs=0.02) and b == pytest.approx(0.3, abs=0.04)
+    a_only, b_zero = fit_logistic(z, y, bias=False)
+    assert b_zero == 0.0 and 0.3 < a_only < 0.45
+    pos = np.repeat([0, 1], 20000)
+    y2 = np.where(pos == 0, y, (rng.random(40000) < sigmoid(0.25 * z - 0.5)).astype(float))
+    sc = fit_scaling(z, y2, pos, 3)
+    assert sc.a[0] == pytest.approx(0.4, abs=0.03) and sc.b[0] == pytest.approx(0.3, abs=0.06)
+    assert sc.a[1] == pytest.approx(0.25, abs=0.03) and sc.b[1] == pytest.approx(-0.5, abs=0.06)
+    assert sc.fallback == [2] and (sc.a[2], sc.b[2]) == (sc.global_a, sc.global_b)
+
+
+def test_ece_is_near_zero_when_calibrated_and_large_when_overconfident():
+    rng = np.random.default_rng(2)
+    p = rng.random(50000)
+    y = (rng.random(50000) < p).astype(float)
+    assert ece(p, y, 10) < 0.01
+    over = sigmoid(3.0 * np.log(p / (1 - p)))  # the same outcomes, logits tripled
+    assert ece(over, y, 10) > 0.08
+    # by hand, two equal-mass bins: |0.15 - 0.5| / 2 + |0.85 - 1| / 2
+    assert ece(np.array([0.9, 0.1, 0.8, 0.2]), np.array([1.0, 0.0, 1.0, 1.0]), 2) == pytest.approx(0.25)
+
+
+def test_admission_replay_equals_brute_force_enumeration():
+    """vLLM's rule (global top-k of survival products within capacity) is the allocation that maximises the summed
+    survival of the admitted slots; every allocation of a small batch is enumerated and compared."""
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        n, k = int(rng.integers(2, 4)), int(rng.integers(2, 5))
+        probs = rng.random((n, k)).tolist()
+        caps = [int(c) for c in rng.integers(1, k + 1, size=n)]
+        budget = int(rng.integers(0, sum(caps) + 2))
+        got = admit(probs, caps, budget)
+        surv = [np.cumprod(row) for row in probs]
+
+        def value(alloc):
+            return sum(surv[r][:m].sum() for r, m in enumerate(alloc))
+
+        best = max((al for al in itertools.product(*[range(c + 1) for c in caps]) if sum(al) == min(budget, sum(caps))), key=value)
+        assert sum(got) == min(budget, sum(caps)) and all(0 <= g <= c for g, c in zip(got, caps)), (trial, got)
+        assert list(got) == list(best), (trial, probs, caps, budget)
+
+
+def test_replay_table_counts_accepted_prefixes_and_the_oracle_bounds_every_scoring():
+    rounds = [Round([0.0, 0.0, 0.0], 3, 2, 0), Round([0.0, 0.0, 0.0], 3, 0, 1)]
+    # raw: request 0 looks hopeless, request 1 certain -> a budget of 2 goes to request 1, which accepts nothing
+    scores = {"bad": [[0.1, 0.1, 0.1], [0.9, 0.9, 0.9]], "oracle": oracle_scores(rounds)}
+    row = replay_table(rounds, scores, batch_size=2, budgets_per_request=[1.0])[0]
+    assert row["bad"]["verified_slots"] == 2 and row["bad"]["accepted_per_verified_slot"] == 0.0
+    assert row["oracle"]["accepted_per_verified_slot"] == 1.0 and row["oracle"]["accepted_per_request"] == 1.0
+    many = _synthetic_rounds(400, 4, [0.5] * 4, [0.5] * 4)
+    raw = [list(sigmoid(np.asarray(r.logits))) for r in many]
+    table = replay_table(many, {"raw": raw, "oracle": oracle_scores(many)}, batch_size=8, budgets_per_request=[1, 2, 4])
+    for row in table:
+        assert row["oracle"]["accepted_per_verified_slot"] >= row["raw"]["accepted_per_verified_slot"]
+    assert table[-1]["raw"] == table[-1]["oracle"]  # a budget covering every slot admits them all
+
+
+def test_calibration_lowers_ece_on_a_held_out_split_and_pairs_follow_conditional_acceptance():
+    rounds = _synthetic_rounds(12000, 3, [0.4, 0.3, 0.2], [0.0, -0.3, -0.6])
+    z, y, pos = pairs(rounds[:1])
+    assert len(z) == min(3, rounds[0].accepted + 1) and y.tolist() == [1.0] * rounds[0].accepted + [0.0] * (len(z) - rounds[0].accepted)
+    rep = calibration_report(rounds, bins=10)
+    t = rep["temperatures"]["0"]
+    assert rep["binning"] == "equal-mass" and rep["bins"] == 10
+    for raw, cal in zip(t["ece_raw"], t["ece_calibrated"]):
+        assert raw > 0.1 and cal < 0.05
+    assert t["scaling"]["a"][0] == pytest.approx(0.4, abs=0.08)
+
+
+def _draft_ckpt(tmp_path):
+    from deepspec.config.model import ModelConfig
+    from deepspec.drafts import get_algorithm
+    from deepspec.drafts.checkpoint import save_draft
+    from deepspec.targets import tiny_config
+
+    cfg = ModelConfig(algorithm="dspark", block_size=4, markov_rank=8, target_layer_ids=[0, 2, 3], mask_token_id=259)
+    draft = get_algorithm("dspark").from_target_config(tiny_config("qwen3"), cfg)
+    with torch.no_grad():
+        draft.confidence_head.proj.weight.normal_(0, 0.5)
+        draft.confidence_head.proj.bias.fill_(0.7)
+    prov = {"target": "tiny-qwen3", "target_vocab_size": 320, "target_hidden_size": 64, "target_num_layers": 6}
+    return draft, save_draft(draft, tmp_path / "ckpt", prov)
+
+
+@pytest.fixture(scope="module")
+def baked(tmp_path_factory):
+    """A DSpark checkpoint exported with a synthetic calibration.json (global pair ~ (0.4, 0.2)) baked in."""
+    from deepspec.export.writers import export_draft
+
+    tmp = tmp_path_factory.mktemp("baked")
+    draft, ckpt = _draft_ckpt(tmp)
+    rep = calibration_report(_synthetic_rounds(2000, 3, [0.4] * 3, [0.2] * 3), bins=10)
+    write_calibration(rep, tmp / "cal")
+    out = export_draft(ckpt, tmp / "out", "vllm", calibration=tmp / "cal" / "calibration.json")
+    cal = json.loads((tmp / "cal" / "calibration.json").read_text())
+    return draft, out, cal
+
+
+def test_the_export_bakes_the_global_scaling_and_records_the_per_position_fit(baked):
+    """The exported head computes sigmoid(a z + b) of the trained head's logit z, with (a, b) the calibration's global
+    pair; the per-position pairs, which the shared head cannot carry, are in config.json and the model card."""
+    from deepspec.drafts.dspark import ConfidenceHead
+
+    draft, out, cal = baked
+    a, b = cal["bake"]["a"], cal["bake"]["b"]
+    assert a == pytest.approx(0.4, abs=0.08) and cal["bake"]["temperature"] == 0.0
+    w = load_file(str(out / "model.safetensors"))
+    head = ConfidenceHead(64, 8, True)
+    head.load_state_dict({"proj.weight": w["confidence_head.proj.weight"], "proj.bias": w["confidence_head.proj.bias"]})
+    assert w["confidence_head.proj.weight"].dtype == torch.float32
+    x, e = torch.randn(16, 64), torch.randn(16, 8)
+    with torch.no_grad():
+        z = draft.confidence_head(x, e)
+        assert torch.allclose(torch.sigmoid(head(x, e)), torch.from_numpy(sigmoid(a * z.double().numpy() + b)).float(), atol=1e-6)
+    rec = json.loads((out / "config.json").read_text())["deepspec"]["confidence_calibration"]
+    assert rec["baked"] == {"a": a, "b": b, "temperature": 0.0}
+    assert rec["per_position_not_baked"]["a"] == cal["temperatures"]["0"]["scaling"]["a"]
+    assert "## Confidence calibration" in (out / "README.md").read_text()
+
+
+def test_a_file_that_is_not_a_calibration_is_refused(tmp_path):
+    from deepspec.errors import ConfigError
+    from deepspec.export.writers import export_draft
+
+    _, ckpt = _draft_ckpt(tmp_path)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a calibration.json"):
+        export_draft(ckpt, tmp_path / "out", "vllm", calibration=tmp_path / "bad.json")
+
+
+VLLM_HEAD = """
+import json, sys, torch
+from safetensors.torch import load_file
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead
+export, port = sys.argv[1], sys.argv[2]
+w = load_file(export + "/model.safetensors")
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + port, local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    head = DSparkConfidenceHead(72, prefix="confidence_head", bias=True, with_markov=True)
+for name, p in head.named_parameters():
+    getattr(p, "weight_loader", lambda q, t: q.data.copy_(t))(p, w["confidence_head." + name])
+head.proj.quant_method.process_weights_after_loading(head.proj)
+g = torch.Generator().manual_seed(0)
+x, e = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+with torch.no_grad():
+    print(json.dumps(torch.sigmoid(head(x, e)).tolist()))  # Qwen3DSparkForCausalLM.compute_confidence
+"""
+
+
+@pytest.mark.slow
+def test_vllms_confidence_head_computes_the_calibrated_values_from_the_export(baked, tmp_path):
+    """vLLM's own DSparkConfidenceHead (qwen3_dspark.py), loaded from the baked export in a fresh process, returns
+    sigmoid(a z + b) of our trained head's logit: what adaptive verification ranks is the calibrated confidence."""
+    pytest.importorskip("vllm")
+    import socket
+
+    draft, out, cal = baked
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-c", VLLM_HEAD, str(out), str(port)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.tensor(json.loads(res.stdout.strip().splitlines()[-1]))
+    g = torch.Generator().manual_seed(0)
+    x, e = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+    with torch.no_grad():
+        z = draft.confidence_head(x, e).double().numpy()
+    want = torch.from_numpy(sigmoid(cal["bake"]["a"] * z + cal["bake"]["b"])).float()
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    assert not torch.allclose(got, torch.from_numpy(sigmoid(z)).float(), atol=1e-3)  # the raw head would differ
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_qwen3_dir):
+    """A DSpark draft trained for 4 steps on a tiny Qwen3 target's cache (the shared tiny recipe)."""
+    from tiny_recipe import cached_recipe
+
+    from deepspec.config import load_config
+    from deepspec.train import train
+
+    root = tmp_path_factory.mktemp("dspark-cal")
+    recipe = cached_recipe(root, tiny_qwen3_dir, samples=8, heldout=2, max_length=96, project="cal",
+                           model="algorithm: dspark, block_size: 4, num_anchors: 8, markov_rank: 8, mask_token_id: 259",
+                           train="optimizer: adamw, lr: 3.0e-3, global_batch_size: 2, micro_batch_size: 1, max_steps: 4, "
+                                 "save_every: 4, val_every: 4, log_every: 1, precision: fp32")
+    cfg = load_config(recipe)
+    train(cfg)
+    return root, cfg
+
+
+def test_a_trained_dspark_is_calibrated_end_to_end(trained, one_torch_thread):
+    """The evaluator's own decoding at T = 0 and T = 1 gives (logit, outcome) pairs, the report has per-position ECE
+    before / after and the admission replay; calibration.json + calibration.png are written; the export bakes it."""
+    from deepspec.config import load_config
+    from deepspec.eval.calibration import calibrate
+    from deepspec.export.writers import export_draft
+
+    root, cfg = trained
+    ckpt = cfg.run_dir / "step_4"
+    d = root / "ds"
+    d.mkdir()
+    words = "the cat sat on a mat and then ran far away".split()
+    (d / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [" ".join(words[i:] + words[:i])]}) + "\n" for i in range(6)))
+    ecfg = load_config(str(ckpt / "config.yaml"), [f"eval.datasets_dir={d}", "eval.tasks=[gsm8k]", "eval.max_new_tokens=16",
+                                                    "eval.num_draft_tokens=3", "logging.wandb=false"])
+    out = root / "eval"
+    rep = calibrate(ecfg, ckpt, out, temperatures=(0.0, 1.0), bins=5, batch_size=4, budgets_per_request=(1.0, 2.0, 3.0))
+    assert (out / "calibration.png").stat().st_size > 1000 and (out / "calibration.json").is_file()
+    assert set(rep["temperatures"]) == {"0", "1"} and rep["bins"] == 5
+    for t in rep["temperatures"].values():
+        assert t["rounds"]["fit"] > 0 and t["rounds"]["eval"] > 0
+        assert len(t["ece_raw"]) == 3 and len(t["scaling"]["a"]) == 3
+        assert t["pairs_per_position"]["eval"][0] == t["rounds"]["eval"]  # every round reaches its first draft
+        assert all(v is None or 0.0 <= v <= 1.0 for v in t["ece_raw"] + t["ece_calibrated"])
+        for row in t["admission_replay"]["rows"]:
+            assert row["oracle"]["accepted_per_request"] >= max(row[s]["accepted_per_request"] for s in ("raw", "calibrated"))
+    exp = export_draft(ckpt, root / "export", "vllm", calibration=out / "calibration.json")
+    assert json.loads((exp / "config.json").read_text())["deepspec"]["confidence_calibration"]["baked"]["temperature"] == 1.0
