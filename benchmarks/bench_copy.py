@@ -19,8 +19,10 @@ so the figures are those of the untrained circuit alone (needs a checkpoint trai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,11 +44,36 @@ def trigram_lookup(ids: list[int], t: int) -> int | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="an EAGLE-3 draft checkpoint (step_N folder)")
+    p.add_argument("checkpoint", nargs="?", help="an EAGLE-3 draft checkpoint (step_N folder)")
     p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart-blend" / "cache" / "heldout"))
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help="an untrained draft on a tiny random target's held-out cache, built here: a check of the code path")
     p.add_argument("--reinit-copy-heads", action="store_true", help="measure the untrained copy heads instead of the trained draft")
     args = p.parse_args()
+    with smoke_inputs(args):
+        return measure(args)
+
+
+@contextlib.contextmanager
+def smoke_inputs(args):
+    """--smoke: point checkpoint and cache at an untrained draft and the held-out cache of a tiny target, removed after."""
+    if not args.smoke:
+        if args.checkpoint is None:
+            raise SystemExit("give a draft checkpoint (or --smoke)")
+        yield
+        return
+    from _smoke import cached_split, smoke_env, tiny_recipe, untrained_checkpoint
+
+    smoke_env()
+    with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+        recipe = tiny_recipe(Path(tmp))
+        args.cache = str(cached_split(recipe))
+        args.checkpoint = str(untrained_checkpoint(recipe, Path(tmp) / "ckpt"))
+        yield
+
+
+def measure(args) -> int:
     ckpt, cache_dir = Path(args.checkpoint), Path(args.cache)
     if (error := input_error(ckpt, cache_dir)) is not None:
         print(json.dumps({"error": error}))
@@ -92,6 +119,7 @@ def main() -> int:
                 c[2] += 1
     total = sum(c[2] for c in counts.values())
     out = {
+        **({"smoke": True} if args.smoke else {}),
         "checkpoint": str(ckpt),
         "cache": str(cache_dir),
         "samples": n,

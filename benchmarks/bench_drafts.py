@@ -23,7 +23,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="32-token sequences, one repeat, one thread: a check of the code path")
     args = ap.parse_args()
+    if args.smoke:
+        args.seq_len, args.repeats, args.threads = 32, 1, 1
 
     import torch
     from transformers import AutoConfig
@@ -35,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tc = AutoConfig.from_pretrained(embedded_target_dir())
     t = args.seq_len
-    results = {"target": "smollm2-135m-instruct", "seq_len": t, "threads": args.threads, "dtype": "float32", "torch": torch.__version__, "algorithms": {}}
+    results = {**({"smoke": True} if args.smoke else {}), "target": "smollm2-135m-instruct", "seq_len": t, "threads": args.threads, "dtype": "float32", "torch": torch.__version__, "algorithms": {}}
     recipes = {
         "eagle3": dict(draft_vocab_size=8192, ttt_length=7),
         "dflash": dict(block_size=7, num_anchors=64, num_draft_layers=2),

@@ -194,6 +194,8 @@ def main() -> int:
     ap.add_argument("--baseline-rev", default="0d15c21")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--dir", default=None, help="where to build the cache (default: a temporary folder, removed)")
+    ap.add_argument("--smoke", action="store_true", help="8 SmolLM2-shaped samples of 64 tokens, loader thread and one "
+                    "process, no baseline, a 16 MB memcpy: a check of the code path")
     ap.add_argument("--_measure", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_src", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_workers", type=int, default=0, help=argparse.SUPPRESS)
@@ -207,6 +209,10 @@ def main() -> int:
 
     import torch
 
+    if args.smoke:
+        args.shape, args.seq_len, args.samples, args.passes, args.workers = "smollm2-135m", 64, 8, 2, [0, 1]
+        args.no_baseline = True
+
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_loader_"))
     cache = tmp / f"cache-{args.shape}-{args.seq_len}"
     try:
@@ -214,10 +220,11 @@ def main() -> int:
         info = build_cache(cache, args.shape, args.seq_len, args.samples)
         build_s = time.perf_counter() - t
         warm(cache)
-        ceiling = memcpy_gb_per_s()
+        ceiling = memcpy_gb_per_s(1 << 24) if args.smoke else memcpy_gb_per_s()
         by_workers = {w: run_measure(ROOT, cache, w, args.passes, args.micro_batch, args.pack_tokens) for w in args.workers}
         best_w = max(by_workers, key=lambda w: by_workers[w]["tokens_per_s"])
         out = {
+            **({"smoke": True, "not_run": "the baseline revision's loader (a git worktree of --baseline-rev)"} if args.smoke else {}),
             "shape": args.shape, "seq_len": args.seq_len, "samples": args.samples, "micro_batch": args.micro_batch,
             "pack_tokens": args.pack_tokens,
             "dtype": SHAPES[args.shape][3], "feature_bytes_per_token": info["feature_bytes_per_token"],

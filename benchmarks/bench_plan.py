@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -49,15 +50,26 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--words", type=int, default=180)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="50 short conversations: a check of the code path")
     args = ap.parse_args()
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+    if args.smoke:
+        args.conversations, args.words = 50, 20
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_plan_"))
+    try:
+        measure(args, work)
+    finally:
+        if not args.dir:  # a temporary folder of ours
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args, work: Path) -> None:
 
     from deepspec.config import load_config
     from deepspec.data.cache.writer import load_plan_inputs, make_plan
     from deepspec.eval.engine import machine_description
     from deepspec.targets.embedded import embedded_target_dir
 
-    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_plan_"))
     cfg = load_config(None, [f"target.name={embedded_target_dir()}", f"data.dir={work / 'data'}", "cache.max_length=2048"])
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     write_chats(cfg.regenerated_path, args.conversations, args.turns, args.words)
@@ -71,6 +83,7 @@ def main() -> None:
     assert [(s.id, s.length) for s in second.samples] == [(s.id, s.length) for s in first.samples]
     stored = sorted((cfg.data_dir / ".plans").glob("train-*.npz"))
     print(json.dumps({
+        **({"smoke": True} if args.smoke else {}),
         "conversations": args.conversations, "samples": len(first.samples), "tokens": first.counts["tokens"],
         "tokenize_s": round(tokenize_s, 2), "load_s": round(load_s, 3),
         "conversations_per_s_tokenizing": round(args.conversations / tokenize_s, 1),

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,13 +37,38 @@ from _draft_on_cache import input_error, load_draft_and_cache  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="trained draft checkpoint (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
+    p.add_argument("checkpoint", nargs="?", help="trained draft checkpoint (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
     p.add_argument("--cache", default=str(ROOT / "outputs" / "quickstart-blend" / "cache" / "heldout"),
                    help="a cache split the draft was not trained on (default: the quickstart's held-out split)")
     p.add_argument("--depth", type=int, default=None,
                    help="drafted tokens per position (default: the draft's TTT length, the depths validation counts)")
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help="an untrained draft on a tiny random target's held-out cache, built here: a check of the code path")
     args = p.parse_args()
+    with smoke_inputs(args):
+        return measure(args)
+
+
+@contextlib.contextmanager
+def smoke_inputs(args):
+    """--smoke: point checkpoint and cache at an untrained draft and the held-out cache of a tiny target, removed after."""
+    if not args.smoke:
+        if args.checkpoint is None:
+            raise SystemExit("give a draft checkpoint (or --smoke)")
+        yield
+        return
+    from _smoke import cached_split, smoke_env, tiny_recipe, untrained_checkpoint
+
+    smoke_env()
+    with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+        recipe = tiny_recipe(Path(tmp))
+        args.cache = str(cached_split(recipe))
+        args.checkpoint = str(untrained_checkpoint(recipe, Path(tmp) / "ckpt"))
+        yield
+
+
+def measure(args) -> int:
     if args.depth is not None and args.depth < 1:
         print(json.dumps({"error": f"--depth must be >= 1, got {args.depth}"}))
         return 2
@@ -111,6 +137,7 @@ def main() -> int:
                         break
     survival = [a / rows for a in accepted] if rows else []
     out = {
+        **({"smoke": True} if args.smoke else {}),
         "checkpoint": str(ckpt),
         "draft": algo,
         "cache": str(cache_dir),

@@ -27,7 +27,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=700)
+    ap.add_argument("--smoke", action="store_true", help="2 steps of 1 x 64 tokens: a check of the code path")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.tokens = 2, 1, 64
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       num_hidden_layers=30, vocab_size=49152, head_dim=64)
     mc = ModelConfig(algorithm="eagle3", target_layer_ids=[-1, 1, 14, 26], ttt_length=3, draft_vocab_size=8192)
@@ -52,7 +55,7 @@ def main() -> None:
         if i >= 2:
             times.append(time.perf_counter() - t0)
     times.sort()
-    print(json.dumps({"deepspec": deepspec.__file__, "median_step_s": round(times[len(times) // 2], 3),
+    print(json.dumps({**({"smoke": True} if args.smoke else {}), "deepspec": deepspec.__file__, "median_step_s": round(times[len(times) // 2], 3),
                       "min_step_s": round(times[0], 3), "steps": args.steps, "batch": b, "tokens": t,
                       "threads": torch.get_num_threads()}))
 
