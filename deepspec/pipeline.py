@@ -18,7 +18,7 @@ from typing import Any, Callable
 from deepspec.config.args import config_from_args
 from deepspec.errors import ConfigError
 from deepspec.log import get_logger
-from deepspec.results import results_protocol, served_verdict, split_table
+from deepspec.results import length_rows, length_table, results_protocol, served_verdict, split_table
 
 log = get_logger(__name__)
 
@@ -201,6 +201,7 @@ def summary_markdown(recipes: list[RecipeResult]) -> str:
         )
     lines += served_by_engine_markdown(recipes, tasks)
     lines += split_summary_markdown(recipes, tasks)
+    lines += by_length_summary_markdown(recipes, tasks)
     lines += ["", "## per-depth conditional acceptance acc_cond@k (overall, pooled)", ""]
     depth = max((len(((r.results or {}).get("overall") or {}).get("acc_cond") or []) for r in recipes), default=0)
     if depth:
@@ -231,6 +232,19 @@ def split_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> lis
     protos = sorted({_protocol(r.results or {}) for r in recipes})
     return ["", f"## per split (answers up to {budget} tokens): acc0, acceptance per depth, E[A]@S3, E[A]@S7, tau@3 ({', '.join(protos)})", "",
             *split_table(rows, budget, label="algorithm / split")]
+
+
+def by_length_summary_markdown(recipes: list[RecipeResult], tasks: list[str]) -> list[str]:
+    """acc0, E[A]@S3, tau@3 and tau by prompt-length bucket on the headline split (the first evaluated one), per
+    algorithm, with each bucket's answer and round counts."""
+    if not tasks:
+        return []
+    rows = [(r.cfg.model.algorithm, bucket, fig) for r in recipes
+            for _, bucket, fig in length_rows((r.results or {}).get("by_context_length"), [tasks[0]], overall=False)]
+    if not rows:
+        return []
+    return ["", f"## {tasks[0]} by context length (prompt tokens of each answer's rendered prompt)", "",
+            *length_table(rows, depth=1, label="algorithm")]
 
 
 def _served_speedup(speedup: dict[str, Any] | None) -> str:
@@ -265,6 +279,15 @@ def served_by_engine_markdown(recipes: list[RecipeResult], tasks: list[str]) -> 
     return lines
 
 
+def _headline_by_length(res: dict[str, Any]) -> dict[str, Any] | None:
+    """The headline split's (first evaluated split's) figures per prompt-length bucket."""
+    block = res.get("by_context_length") or {}
+    first = next((t for t, v in (res.get("tasks") or {}).items() if "skipped" not in v), None)
+    if first is None or first not in (block.get("tasks") or {}):
+        return None
+    return {"split": first, "buckets": block["tasks"][first]}
+
+
 def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
     out = []
     for r in recipes:
@@ -281,6 +304,7 @@ def summary_json(recipes: list[RecipeResult]) -> dict[str, Any]:
             "overall_benchmark_mean": res.get("overall_benchmark_mean"),
             "tasks": {t: {k: v.get(k) for k in ("tau", "acc_cond", "survival", "samples", "speedup", "acc0", "E[A]@S3", "E[A]@S7", "tau@3", "protocol")}
                       for t, v in (res.get("tasks") or {}).items() if "skipped" not in v},
+            "by_context_length": _headline_by_length(res),
             "engine": (res.get("engine") or {}).get("overall"),
             "engine_tasks": (res.get("engine") or {}).get("tasks"),
             "engine_num_speculative_tokens": (res.get("engine") or {}).get("num_speculative_tokens"),

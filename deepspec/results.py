@@ -84,3 +84,29 @@ def split_table(rows: list[tuple[str, dict[str, Any]]], budget: Any, depth: int 
         vals.update({k: r.get(k) for k in ("E[A]@S3", "E[A]@S7", "tau@3")})
         lines.append(f"| {name} | {r.get('samples', '')} | {budget} | " + " | ".join(fmt(vals[h]) for h in head) + " |")
     return lines
+
+
+def length_rows(block: dict[str, Any] | None, names: list[str] | None = None, overall: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
+    """(split, bucket, figures) rows of a results.json `by_context_length` block, in ladder order: the splits in `names`
+    (every split when None), then every split pooled."""
+    if not block:
+        return []
+    tasks = block.get("tasks") or {}
+    groups = [(n, tasks[n]) for n in (names if names is not None else list(tasks)) if n in tasks]
+    if overall:
+        groups.append(("**overall (pooled)**", block.get("overall") or {}))
+    return [(name, label, per[label]) for name, per in groups for label in block.get("buckets") or [] if label in per]
+
+
+def length_table(rows: list[tuple[str, str, dict[str, Any]]], depth: int | None = None, label: str = "split") -> list[str]:
+    """One table of acceptance by prompt-length bucket: each row's answer and round counts (so thin buckets show), acc0,
+    acc_cond@2..depth, E[A]@S3, E[A]@S7, tau@3, tau."""
+    if not rows:
+        return []
+    if depth is None:
+        depth = max((len(r.get("acc_cond") or []) for _, _, r in rows), default=0)
+    head = ["acc0", *[f"acc_cond@{k}" for k in range(2, depth + 1)], "E[A]@S3", "E[A]@S7", "tau@3", "tau"]
+    lines = [f"| {label} | prompt tokens | answers | rounds | " + " | ".join(head) + " |", "|---" * (len(head) + 4) + "|"]
+    for name, bucket, r in rows:
+        lines.append(f"| {name} | {bucket} | {r.get('prompts', '')} | {r.get('rounds', '')} | " + " | ".join(fmt(r.get(h)) for h in head) + " |")
+    return lines

@@ -64,6 +64,13 @@ class EvalConfig:
     engine_speedup_tasks: list[str] = field(default_factory=list)
     engine_speedup_max_samples: int = 16
     engine_speedup_max_new_tokens: int | None = None
+    # Acceptance by context length: each answer's verify rounds are also counted in the bucket of its rendered prompt's
+    # token count; these edges cut the buckets (<256, 256-1k, 1k-4k, 4k-16k, >=16k). [] = one bucket (docs/evaluation.md).
+    context_length_buckets: list[int] = field(default_factory=lambda: [256, 1024, 4096, 16384])
+    # Thinking modes compared on the held-out splits (every task when eval.tasks has none), e.g. [on, off]: each mode
+    # decodes them with target.chat_template_kwargs + enable_thinking true / false (YAML reads on / off as booleans).
+    # [] = decode once, as configured.
+    thinking_modes: list[bool] = field(default_factory=list)
 
     def validate(self) -> None:
         from deepspec.errors import ConfigError
@@ -93,6 +100,12 @@ class EvalConfig:
             raise ConfigError(f"eval.engine_speedup_max_samples must be >= 1, got {self.engine_speedup_max_samples}.")
         if self.engine_speedup_max_new_tokens is not None and self.engine_speedup_max_new_tokens < 1:
             raise ConfigError(f"eval.engine_speedup_max_new_tokens must be >= 1 or null, got {self.engine_speedup_max_new_tokens}.")
+        edges = self.context_length_buckets
+        if any(not isinstance(e, int) or e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ConfigError(f"eval.context_length_buckets must be increasing token counts >= 1 (e.g. [256, 1024, 4096, 16384]), got {edges}.")
+        if len(set(self.thinking_modes)) != len(self.thinking_modes):
+            named = ["on" if m else "off" for m in self.thinking_modes]
+            raise ConfigError(f"eval.thinking_modes names a mode twice ({named}); list on and/or off once each, e.g. [on, off].")
         bad = {task: n for task, n in self.task_max_samples.items() if not isinstance(n, int) or n < 1}
         if bad:
             raise ConfigError(f"eval.task_max_samples needs a count >= 1 per task, got {bad}.")

@@ -1,4 +1,5 @@
-"""Eval reports: results.json (everything), results.md (tables), acceptance.png (per-depth curves).
+"""Eval reports: results.json (everything), results.md (tables), acceptance.png (per-depth curves) and
+acceptance_by_length.png (the same curves per prompt-length bucket).
 
 Metric names follow docs/evaluation.md: tau (incl. bonus), acc_cond@k (conditional), survival@k
 (prefix survival), E[A]@S. No bare "accept rate" anywhere.
@@ -13,7 +14,7 @@ from typing import Any
 
 from deepspec.log import get_logger
 from deepspec.results import fmt as _f
-from deepspec.results import overall_rows, served_verdict, split_table
+from deepspec.results import length_rows, length_table, overall_rows, served_verdict, split_table
 
 log = get_logger(__name__)
 
@@ -63,6 +64,7 @@ def markdown(results: dict[str, Any]) -> str:
         )
     lines += ["", "## Per split: acc0 (= acc_cond@1), acceptance per depth, E[A]@S3, E[A]@S7, tau@3", ""]
     lines += split_table(rows, meta.get("max_new_tokens"), depth)
+    lines += by_length_markdown(results) + by_thinking_markdown(results)
     if depth:
         head = " | ".join(f"k={k}" for k in range(1, depth + 1))
         sep = "|---" * (depth + 1) + "|"
@@ -100,6 +102,66 @@ def markdown(results: dict[str, Any]) -> str:
         if served:
             lines += ["", f"Served speedup: vLLM output tokens/s with the draft / without it, same prompts and server settings, on {eng.get('machine')}."]
     return "\n".join(lines) + "\n"
+
+
+def by_length_markdown(results: dict[str, Any]) -> list[str]:
+    """The acceptance-by-prompt-length table (per split, then pooled); empty buckets are left out."""
+    block = results.get("by_context_length")
+    rows = length_rows(block)
+    if not rows:
+        return []
+    return ["", f"## By context length: buckets of {block.get('measure', 'prompt tokens')}", "", *length_table(rows)]
+
+
+def by_thinking_markdown(results: dict[str, Any]) -> list[str]:
+    """The thinking on / off table (eval.thinking_modes), or the one line saying the template has no switch."""
+    block = results.get("by_thinking_mode")
+    if not block:
+        return []
+    modes = block.get("modes", {})
+    rows = [(f"{task} / thinking {mode}", r["tasks"][task]) for task in block.get("tasks", [])
+            for mode, r in modes.items() if task in r.get("tasks", {})]
+    rows += [(f"**overall (pooled)** / thinking {mode}", r.get("overall") or {}) for mode, r in modes.items()]
+    lines = ["", "## By thinking mode (chat template enable_thinking)", ""]
+    if not block.get("template_switch"):
+        lines += [f"Not compared: {block.get('note')}.", ""]
+    return lines + split_table(rows, (results.get("meta") or {}).get("max_new_tokens"), label="split / thinking")
+
+
+def plot_by_length(results: dict[str, Any], path: Path) -> Path | None:
+    """Per-depth acceptance and survival per prompt-length bucket (every split pooled), one line per non-empty bucket."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    block = results.get("by_context_length") or {}
+    rows = [(label, r) for _, label, r in length_rows(block, names=[]) if r.get("acc_cond")]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, r in rows:
+        ks = list(range(1, len(r["acc_cond"]) + 1))
+        nan = float("nan")
+        axes[0].plot(ks, [v if v is not None else nan for v in r["acc_cond"]], marker="o",
+                     label=f"{label} tokens: {r['prompts']} answers, {r['rounds']} rounds, tau {_f(r.get('tau'), 2)}")
+        axes[1].plot(ks, [v if v is not None else nan for v in r["survival"]], marker="o", label=label)
+    axes[0].set_title("conditional acceptance acc_cond@k by prompt length")
+    axes[1].set_title("prefix survival survival@k by prompt length")
+    depth = max(len(r["acc_cond"]) for _, r in rows)
+    for ax in axes:
+        ax.set_xticks(list(range(1, depth + 1)))
+        ax.set_xlabel("draft depth k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    meta = results.get("meta", {})
+    fig.suptitle(f"{meta.get('algorithm', '')} draft, every split pooled, {meta.get('protocol') or 'T=' + str(meta.get('temperature'))}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
@@ -151,6 +213,10 @@ def write_reports(results: dict[str, Any], out_dir: str | Path) -> dict[str, Pat
         tmp_png.replace(paths["png"])
     else:
         paths.pop("png")
+    tmp_png = out / "acceptance_by_length.tmp.png"
+    if plot_by_length(results, tmp_png) is not None:
+        paths["png_by_length"] = out / "acceptance_by_length.png"
+        tmp_png.replace(paths["png_by_length"])
     return paths
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ class WorkItem:
     task: str
     index: int  # position in the task's sample list (seeds the sample)
     row: dict
+    # eval.thinking_modes: the mode ("on" / "off") this item decodes in and its chat-template kwargs; None = the main run
+    mode: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------- provenance
@@ -172,6 +175,7 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
     import torch
 
     from deepspec.drafts.checkpoint import load_draft
+    from deepspec.eval.context_length import ContextLengthStats
     from deepspec.eval.decode import eos_token_ids, generate_speculative, generate_target_only
     from deepspec.eval.metrics import AcceptanceStats, TimingStats
     from deepspec.targets import load_target
@@ -211,10 +215,17 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
 
     stats: dict[str, AcceptanceStats] = {}
     timing: dict[str, TimingStats] = {}
+    by_length: dict[str, ContextLengthStats] = {}
+    modes: dict[str, dict[str, AcceptanceStats]] = {}  # eval.thinking_modes passes: mode -> task -> counters
 
-    def count(task: str, spec, prompt: list[int]) -> dict:
-        """Add one answer's counters to its task; the turn's record."""
+    def count(item: WorkItem, spec, prompt: list[int]) -> dict:
+        """Add one answer's counters to its task (and its prompt-length bucket, or its thinking mode); the turn's record."""
+        task = item.task
+        if item.mode is not None:
+            modes.setdefault(item.mode, {}).setdefault(task, AcceptanceStats()).merge(spec.stats)
+            return {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "rounds": spec.stats.rounds, "tau": spec.stats.tau}
         stats.setdefault(task, AcceptanceStats()).merge(spec.stats)
+        by_length.setdefault(task, ContextLengthStats(tuple(ecfg.context_length_buckets))).add(len(prompt), spec.stats)
         tm = timing.setdefault(task, TimingStats())
         tm.spec_tokens += len(spec.tokens)
         tm.spec_seconds += 0.0 if ecfg.greedy_replay else spec.seconds  # a replay is no decoding speed
@@ -229,18 +240,19 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
         samples = []
         bar = progress(mine, desc=f"eval (worker {rank})", unit="sample")
         for item in bar:
-            tm = timing.setdefault(item.task, TimingStats())
+            tm = timing.setdefault(item.task, TimingStats()) if item.mode is None else TimingStats()
             messages: list[dict] = first_messages(item.row)
-            record = {"task": item.task, "index": item.index, "id": item.row.get("id"), "turns": []}
+            record = {"task": item.task, "index": item.index, "id": item.row.get("id"), "turns": [],
+                      **({"thinking": item.mode} if item.mode is not None else {})}
             for t, turn in enumerate(item.row["turns"]):
                 messages.append({"role": "user", "content": turn})
-                prompt = render_prompt(target.tokenizer, messages, tmpl_kwargs)
+                prompt = render_prompt(target.tokenizer, messages, item.template_kwargs if item.mode is not None else tmpl_kwargs)
                 seed = ecfg.seed + item.index * 16 + t
                 spec = generate_speculative(target.model, proposer, taps, prompt, max_new_tokens=ecfg.max_new_tokens,
                                             num_draft_tokens=ecfg.num_draft_tokens, temperature=ecfg.temperature,
                                             eos_ids=eos, generator=gen(seed), draft_sample_method=ecfg.draft_sample_method)
-                turn_rec = count(item.task, spec, prompt)
-                if ecfg.measure_speedup:
+                turn_rec = count(item, spec, prompt)
+                if ecfg.measure_speedup and item.mode is None:
                     base = generate_target_only(target.model, prompt, max_new_tokens=ecfg.max_new_tokens,
                                                 temperature=ecfg.temperature, eos_ids=eos, generator=gen(seed))
                     tm.target_tokens += len(base.tokens)
@@ -266,6 +278,8 @@ def run_worker(cfg, checkpoint_dir: str, target_name: str, items: list[WorkItem]
         "target": target.provenance(),
         "stats": {k: v.to_dict() for k, v in stats.items()},
         "timing": {k: v.to_dict() for k, v in timing.items()},
+        "by_length": {k: v.to_dict() for k, v in by_length.items()},
+        "thinking": {m: {k: v.to_dict() for k, v in per.items()} for m, per in modes.items()},
         "samples": samples,
     }
 
@@ -280,20 +294,21 @@ def _replay_worker(cfg, target, proposer, taps, eos, tmpl_kwargs, mine: list[Wor
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (min(eos) if eos else 0)
     messages = [first_messages(it.row) for it in mine]
-    records = [{"task": it.task, "index": it.index, "id": it.row.get("id"), "turns": []} for it in mine]
+    records = [{"task": it.task, "index": it.index, "id": it.row.get("id"), "turns": [],
+                **({"thinking": it.mode} if it.mode is not None else {})} for it in mine]
     for t in range(max((len(it.row["turns"]) for it in mine), default=0)):
         active = [i for i, it in enumerate(mine) if t < len(it.row["turns"])]
         prompts = []
         for i in active:
             messages[i].append({"role": "user", "content": mine[i].row["turns"][t]})
-            prompts.append(render_prompt(tok, messages[i], tmpl_kwargs))
+            prompts.append(render_prompt(tok, messages[i], mine[i].template_kwargs if mine[i].mode is not None else tmpl_kwargs))
         log.info("worker %d, turn %d: the target answers %d prompts (batches of %d)", rank, t + 1, len(active), ecfg.replay_batch_size)
         greedy = greedy_answers(target.model, prompts, max_new_tokens=ecfg.max_new_tokens + ecfg.num_draft_tokens + 1,
                                 eos_ids=eos, pad_id=pad, batch_size=ecfg.replay_batch_size)
         for i, prompt, answer_ids in zip(active, prompts, progress(greedy, desc=f"replay (worker {rank})", unit="sample")):
             spec = replay_speculative(target.model, proposer, taps, prompt, answer_ids, max_new_tokens=ecfg.max_new_tokens,
                                       num_draft_tokens=ecfg.num_draft_tokens, eos_ids=eos)
-            turn_rec = count(mine[i].task, spec, prompt)
+            turn_rec = count(mine[i], spec, prompt)
             answer = tok.decode(spec.tokens, skip_special_tokens=True)
             turn_rec["answer"] = answer
             records[i]["turns"].append(turn_rec)
@@ -353,7 +368,8 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
         overall_t.merge(timing[task])
         tasks[task] = {**info.get(task, {}), **stats[task].summary(), **_timing_summary(timing[task], cfg), "protocol": proto}
     order = task_names(cfg)
-    samples = sorted((s for p in parts for s in p["samples"]), key=lambda s: (order.index(s["task"]), s["index"]))
+    samples = sorted((s for p in parts for s in p["samples"]),
+                     key=lambda s: ("thinking" in s, s.get("thinking", ""), order.index(s["task"]), s["index"]))
     matches = [t["matches_target"] for s in samples for t in s["turns"] if "matches_target" in t]
     result = {
         # every verify round of every benchmark pooled: long-answer benchmarks weigh more
@@ -362,8 +378,51 @@ def merge_parts(parts: list[dict], info: dict[str, dict], cfg) -> tuple[dict[str
         "overall_benchmark_mean": benchmark_mean(tasks, proto),
         "tasks": tasks,
         "greedy_outputs_match_target": {"matched_turns": sum(matches), "turns": len(matches)} if matches else None,
+        "by_context_length": merge_by_length(parts, cfg),
     }
     return result, samples
+
+
+def merge_by_length(parts: list[dict], cfg) -> dict[str, Any]:
+    """The workers' per-prompt-length counters added per task, then the results.json block (deepspec/eval/context_length.py)."""
+    from deepspec.eval.context_length import ContextLengthStats, report
+
+    edges = tuple(cfg.eval.context_length_buckets)
+    per_task: dict[str, ContextLengthStats] = {}
+    for part in parts:
+        for task, d in (part.get("by_length") or {}).items():
+            per_task.setdefault(task, ContextLengthStats(edges)).merge(ContextLengthStats.from_dict(d))
+    return report(per_task, task_names(cfg), edges)
+
+
+def thinking_items(cfg, target_name: str, items: list[WorkItem]):
+    """eval.thinking_modes: probe the template, and the extra work items of each mode the main run is not already."""
+    from deepspec.eval.benchmarks import HELDOUT_PREFIX, HELDOUT_TASK
+    from deepspec.eval.thinking import plan
+    from deepspec.targets import load_tokenizer
+
+    heldout = [task_name(t) for t in cfg.eval.tasks if t == HELDOUT_TASK or t.startswith(HELDOUT_PREFIX)]
+    tasks = [t for t in (heldout or task_names(cfg)) if any(it.task == t for it in items)]
+    tok = load_tokenizer(target_name, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    p = plan(tok, cfg.target.chat_template_kwargs, list(cfg.eval.thinking_modes), tasks, target_name)
+    extra = [WorkItem(it.task, it.index, it.row, mode, kw) for mode, kw in p.to_decode().items() for it in items if it.task in tasks]
+    return p, extra
+
+
+def merge_thinking(p, parts: list[dict], info: dict[str, dict]) -> dict[str, Any]:
+    """The workers' per-mode counters (and the main run's, for a mode it already is) as the results.json block."""
+    from deepspec.eval.metrics import AcceptanceStats
+    from deepspec.eval.thinking import report
+
+    main: dict[str, AcceptanceStats] = {}
+    modes: dict[str, dict[str, AcceptanceStats]] = {}
+    for part in parts:
+        for task, d in part["stats"].items():
+            main.setdefault(task, AcceptanceStats()).merge(AcceptanceStats.from_dict(d))
+        for mode, per in (part.get("thinking") or {}).items():
+            for task, d in per.items():
+                modes.setdefault(mode, {}).setdefault(task, AcceptanceStats()).merge(AcceptanceStats.from_dict(d))
+    return report(p, modes, main, info)
 
 
 POOLED = "pooled: every verify round of every benchmark together"
@@ -429,13 +488,14 @@ def _evaluate_into(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name:
     from deepspec.eval.report import log_to_run, write_reports
 
     items, info = build_work(cfg)
+    thinking, extra = thinking_items(cfg, target_name, items) if cfg.eval.thinking_modes else (None, [])
     world = num_workers(cfg)
     log.info("evaluating %s (%s) against %s: %d samples of %d tasks on %d worker(s), %s, %d draft tokens, chat template %s",
              checkpoint_dir, meta.get("algorithm"), target_name, len(items), len([t for t in info if "skipped" not in info[t]]),
              world, protocol(cfg), cfg.eval.num_draft_tokens, serving["chat_template_kwargs"])
     t0 = time.time()
     if world == 1:
-        parts = [run_worker(cfg, str(checkpoint_dir), target_name, items)]
+        parts = [run_worker(cfg, str(checkpoint_dir), target_name, items + extra)]
     else:
         import torch.multiprocessing as mp
 
@@ -443,9 +503,11 @@ def _evaluate_into(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name:
         parts_dir.mkdir(exist_ok=True)
         for old in parts_dir.glob("rank*.json"):
             old.unlink()
-        mp.spawn(_spawned_worker, args=(world, cfg, str(checkpoint_dir), target_name, items, str(parts_dir)), nprocs=world, join=True)
+        mp.spawn(_spawned_worker, args=(world, cfg, str(checkpoint_dir), target_name, items + extra, str(parts_dir)), nprocs=world, join=True)
         parts = [json.loads((parts_dir / f"rank{r}.json").read_text()) for r in range(world)]
     results, samples = merge_parts(parts, info, cfg)
+    if thinking is not None:
+        results["by_thinking_mode"] = merge_thinking(thinking, parts, info)
     results["meta"] = {
         "checkpoint": str(checkpoint_dir.resolve()),
         "algorithm": meta.get("algorithm"),
