@@ -3,7 +3,8 @@
 What is compiled: every piece of a draft decoder layer except the attention call — the RMSNorms, the q/k/v
 projections with their q/k norms and RoPE (`Attention.project_q` / `project_kv`), the output projection
 (`Attention.output`) and the gated MLP — plus the drafts' other norms (EAGLE-3's hidden / fc norms, the final norm,
-DFlash's context norm) and the RoPE tables (`RotaryEmbedding`). Inductor turns each region into a few fused kernels
+DFlash's context norm), the RoPE tables (`RotaryEmbedding`) and a block draft's loss terms per chunk of prediction
+rows (`BlockDraft._chunk_terms`: the head GEMM, log-softmax, the target's softmax, CE / L1 / alpha / top-1). Inductor turns each region into a few fused kernels
 each way (a norm: one; q + q_norm + RoPE: the GEMM and one), where eager PyTorch launches one kernel per elementwise op
 and per slice of the memory-lean norm.
 
@@ -51,9 +52,14 @@ _DimSpec = str | tuple[int, ...]
 
 
 def _regions() -> dict[type, dict[str, tuple[_DimSpec, ...]]]:
+    from deepspec.drafts.block import BlockDraft
     from deepspec.drafts.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
     return {
+        # a block draft's loss terms over one chunk of prediction rows: h, fh [rows, H], labels [rows], z [rows, r] ->
+        # the head GEMM, softcap, log-softmax, the target's softmax and the L1 / alpha / top-1 reductions, which eager
+        # runs as a dozen kernels each materialising a [rows, V] fp32 tensor
+        BlockDraft: {"_chunk_terms": (LEADING, LEADING, (0,), LEADING)},
         RMSNorm: {"forward": (LEADING,)},
         MLP: {"forward": (LEADING,)},
         RotaryEmbedding: {"forward": ((0, 1), ())},  # position_ids [B, T] -> cos / sin; the dtype is not a tensor
@@ -92,16 +98,16 @@ class CompiledRegion:
         self.compiled = compiled
         self.dims = dims
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             # traced from inside another compiled region (a q_norm inside project_q): inline the plain method
-            return self.fn(self.owner, *args)
+            return self.fn(self.owner, *args, **kwargs)
         for arg, spec in zip(args, self.dims):
             if isinstance(arg, torch.Tensor):
                 for d in range(arg.dim() - 1) if spec == LEADING else spec:
                     # maybe_: a size-1 dimension may still be specialised without an error
                     torch._dynamo.maybe_mark_dynamic(arg, d)
-        return self.compiled(self.owner, *args)
+        return self.compiled(self.owner, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"CompiledRegion({type(self.owner).__name__}.{self.name})"
@@ -154,10 +160,11 @@ def compile_draft(model: nn.Module, setting: bool | str = True, device: torch.de
             for name, dims in methods.items():
                 if isinstance(module.__dict__.get(name), CompiledRegion):
                     continue
-                fn = getattr(cls, name)
+                fn = getattr(type(module), name)  # the module's own override, if its class has one
                 module.__dict__[name] = CompiledRegion(module, name, fn, _compiled(fn), dims)
                 count += 1
-    log.info("compiled %d draft layer regions (norms, q/k/v/o projections with RoPE, MLPs); the attention stays eager", count)
+    log.info("compiled %d draft regions (norms, q/k/v/o projections with RoPE, MLPs, block drafts' loss chunks); the "
+             "attention stays eager", count)
     return True
 
 
