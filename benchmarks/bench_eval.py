@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def random_checkpoint(algo: str, out: Path) -> Path:
@@ -50,8 +51,23 @@ def main() -> int:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="default: the recipe's eval.num_draft_tokens (7)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_eval.json"))
+    p.add_argument("--smoke", action="store_true", help="an untrained draft of a tiny random target, 2 gsm8k prompts, 16 new "
+                   "tokens, nothing written to benchmarks/results: a check of the code path")
     args = p.parse_args()
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+    if args.smoke:
+        from _smoke import smoke_env, tiny_recipe, untrained_checkpoint
+
+        smoke_env()
+        args.tasks, args.max_samples, args.max_new_tokens = ["gsm8k"], 2, 16
+        with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+            args.checkpoint = str(untrained_checkpoint(tiny_recipe(Path(tmp)), Path(tmp) / "ckpt"))
+            args.out = str(Path(tmp) / "bench_eval.json")
+            return measure(args)
+    return measure(args)
+
+
+def measure(args) -> int:
     if not args.checkpoint and not args.random_draft:
         print(json.dumps({"error": "no checkpoint given; train one with `bash scripts/quickstart.sh` and pass its "
                                    "step_latest folder (or use --random-draft eagle3 to time an untrained draft)"}))
@@ -76,6 +92,7 @@ def main() -> int:
         res = evaluate(cfg, ckpt)
     o = res["overall"]
     out = {
+        **({"smoke": True} if args.smoke else {}),
         "tau": o["tau"],
         "speedup": o.get("speedup"),
         "target_tokens_per_s": o.get("target_tokens_per_s"),
