@@ -128,75 +128,59 @@ def by_thinking_markdown(results: dict[str, Any]) -> list[str]:
     return lines + split_table(rows, (results.get("meta") or {}).get("max_new_tokens"), label="split / thinking")
 
 
-def plot_by_length(results: dict[str, Any], path: Path) -> Path | None:
-    """Per-depth acceptance and survival per prompt-length bucket (every split pooled), one line per non-empty bucket."""
+def _depth_plot(curves: list[tuple[dict[str, Any], str, str, dict[str, Any]]], titles: tuple[str, str], suptitle: str,
+                path: Path) -> Path:
+    """Two panels over draft depth k: acc_cond@k left, survival@k right; one (figures, legend label, survival label,
+    line style) per curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    block = results.get("by_context_length") or {}
-    rows = [(label, r) for _, label, r in length_rows(block, names=[]) if r.get("acc_cond")]
-    if not rows:
-        return None
+    nan = float("nan")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, r in rows:
+    for r, label, short, style in curves:
         ks = list(range(1, len(r["acc_cond"]) + 1))
-        nan = float("nan")
-        axes[0].plot(ks, [v if v is not None else nan for v in r["acc_cond"]], marker="o",
-                     label=f"{label} tokens: {r['prompts']} answers, {r['rounds']} rounds, tau {_f(r.get('tau'), 2)}")
-        axes[1].plot(ks, [v if v is not None else nan for v in r["survival"]], marker="o", label=label)
-    axes[0].set_title("conditional acceptance acc_cond@k by prompt length")
-    axes[1].set_title("prefix survival survival@k by prompt length")
-    depth = max(len(r["acc_cond"]) for _, r in rows)
-    for ax in axes:
-        ax.set_xticks(list(range(1, depth + 1)))
+        axes[0].plot(ks, [v if v is not None else nan for v in r["acc_cond"]], marker="o", label=label, **style)
+        axes[1].plot(ks, [v if v is not None else nan for v in r["survival"]], marker="o", label=short, **style)
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xticks(list(range(1, max(len(r["acc_cond"]) for r, *_ in curves) + 1)))
         ax.set_xlabel("draft depth k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
-    meta = results.get("meta", {})
-    fig.suptitle(f"{meta.get('algorithm', '')} draft, every split pooled, {meta.get('protocol') or 'T=' + str(meta.get('temperature'))}",
-                 fontsize=10)
+    fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_title(results: dict[str, Any], what: str = "") -> str:
+    meta = results.get("meta", {})
+    return f"{meta.get('algorithm', '')} draft, {what}{meta.get('protocol') or 'T=' + str(meta.get('temperature'))}"
+
+
+def plot_by_length(results: dict[str, Any], path: Path) -> Path | None:
+    """Per-depth acceptance and survival per prompt-length bucket (every split pooled), one line per non-empty bucket."""
+    rows = [(label, r) for _, label, r in length_rows(results.get("by_context_length"), names=[]) if r.get("acc_cond")]
+    if not rows:
+        return None
+    curves = [(r, f"{label} tokens: {r['prompts']} answers, {r['rounds']} rounds, tau {_f(r.get('tau'), 2)}", label, {})
+              for label, r in rows]
+    return _depth_plot(curves, ("conditional acceptance acc_cond@k by prompt length", "prefix survival survival@k by prompt length"),
+                       _plot_title(results, "every split pooled, "), path)
 
 
 def plot_acceptance(results: dict[str, Any], path: Path) -> Path | None:
     """Per-depth conditional acceptance and prefix survival, one line per benchmark."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [(name, r) for name, r in results["tasks"].items() if "skipped" not in r] + [("overall", results["overall"])]
     if not any(r.get("acc_cond") for _, r in rows):
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, r in rows:
-        ks = list(range(1, len(r["acc_cond"]) + 1))
-        style = {"linewidth": 2.5, "color": "black"} if name == "overall" else {"linewidth": 1.2}
-        acc = [v if v is not None else float("nan") for v in r["acc_cond"]]
-        surv = [v if v is not None else float("nan") for v in r["survival"]]
-        axes[0].plot(ks, acc, marker="o", label=f"{name} (tau {r['tau']:.2f})", **style)
-        axes[1].plot(ks, surv, marker="o", label=name, **style)
-    axes[0].set_title("conditional acceptance acc_cond@k")
-    axes[1].set_title("prefix survival survival@k = P(A >= k)")
-    depth = max(len(r["acc_cond"]) for _, r in rows)
-    for ax in axes:
-        ax.set_xticks(list(range(1, depth + 1)))
-        ax.set_xlabel("draft depth k")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
-    meta = results.get("meta", {})
-    fig.suptitle(f"{meta.get('algorithm', '')} draft, {meta.get('protocol') or 'T=' + str(meta.get('temperature'))}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    curves = [(r, f"{name} (tau {r['tau']:.2f})", name,
+               {"linewidth": 2.5, "color": "black"} if name == "overall" else {"linewidth": 1.2}) for name, r in rows]
+    return _depth_plot(curves, ("conditional acceptance acc_cond@k", "prefix survival survival@k = P(A >= k)"), _plot_title(results), path)
 
 
 def write_reports(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
