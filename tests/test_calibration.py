@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from safetensors.torch import load_file
 
 from deepspec.eval.calibration import (Round, admit, calibration_report, ece, fit_logistic, fit_scaling, oracle_scores,
                                        pairs, replay_table, sigmoid, write_calibration)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _synthetic_rounds(n: int, k: int, a_true: list[float], b_true: list[float], seed: int = 0) -> list[Round]:
@@ -213,24 +216,25 @@ def test_vllms_confidence_head_computes_the_calibrated_values_from_the_export(ba
     assert not torch.allclose(got, torch.from_numpy(sigmoid(z)).float(), atol=1e-3)  # the raw head would differ
 
 
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_qwen3_dir):
-    """A DSpark draft trained for 4 steps on a tiny Qwen3 target's cache (the shared tiny recipe)."""
-    from tiny_recipe import cached_recipe
-
-    from deepspec.config import load_config
-    from deepspec.train import train
-
+def trained(tmp_path_factory):
+    """bench_calibration's smoke checkpoint: a DSpark trained 4 steps on a tiny Qwen3 target (the shared tiny recipe),
+    and the eval overrides for its six prompts."""
     root = tmp_path_factory.mktemp("dspark-cal")
-    recipe = cached_recipe(root, tiny_qwen3_dir, samples=8, heldout=2, max_length=96, project="cal",
-                           model="algorithm: dspark, block_size: 4, num_anchors: 8, markov_rank: 8, mask_token_id: 259",
-                           train="optimizer: adamw, lr: 3.0e-3, global_batch_size: 2, micro_batch_size: 1, max_steps: 4, "
-                                 "save_every: 4, val_every: 4, log_every: 1, precision: fp32")
-    cfg = load_config(recipe)
-    train(cfg)
-    return root, cfg
+    ckpt, opts = _bench().smoke_checkpoint(root)
+    return root, ckpt, opts
 
 
+@pytest.mark.slow
 def test_a_trained_dspark_is_calibrated_end_to_end(trained, one_torch_thread):
     """The evaluator's own decoding at T = 0 and T = 1 gives (logit, outcome) pairs, the report has per-position ECE
     before / after and the admission replay; calibration.json + calibration.png are written; the export bakes it."""
@@ -238,14 +242,8 @@ def test_a_trained_dspark_is_calibrated_end_to_end(trained, one_torch_thread):
     from deepspec.eval.calibration import calibrate
     from deepspec.export.writers import export_draft
 
-    root, cfg = trained
-    ckpt = cfg.run_dir / "step_4"
-    d = root / "ds"
-    d.mkdir()
-    words = "the cat sat on a mat and then ran far away".split()
-    (d / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [" ".join(words[i:] + words[:i])]}) + "\n" for i in range(6)))
-    ecfg = load_config(str(ckpt / "config.yaml"), [f"eval.datasets_dir={d}", "eval.tasks=[gsm8k]", "eval.max_new_tokens=16",
-                                                    "eval.num_draft_tokens=3", "logging.wandb=false"])
+    root, ckpt, opts = trained
+    ecfg = load_config(str(ckpt / "config.yaml"), opts + ["logging.wandb=false"])
     out = root / "eval"
     rep = calibrate(ecfg, ckpt, out, temperatures=(0.0, 1.0), bins=5, batch_size=4, budgets_per_request=(1.0, 2.0, 3.0))
     assert (out / "calibration.png").stat().st_size > 1000 and (out / "calibration.json").is_file()
@@ -259,3 +257,18 @@ def test_a_trained_dspark_is_calibrated_end_to_end(trained, one_torch_thread):
             assert row["oracle"]["accepted_per_request"] >= max(row[s]["accepted_per_request"] for s in ("raw", "calibrated"))
     exp = export_draft(ckpt, root / "export", "vllm", calibration=out / "calibration.json")
     assert json.loads((exp / "config.json").read_text())["deepspec"]["confidence_calibration"]["baked"]["temperature"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_calibration_benchmark_prints_ece_and_the_replay_table(trained, one_torch_thread, tmp_path, capsys):
+    """benchmarks/bench_calibration.py on the smoke checkpoint: its JSON has per-position ECE before / after and the
+    replay table at each budget for raw, calibrated and oracle scores."""
+    _, ckpt, opts = trained
+    assert _bench().main(["--checkpoint", str(ckpt), "--opts", *opts, "--budgets", "1,3", "--out", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert json.loads(capsys.readouterr().out) == res and res["mode"] == "checkpoint" and res["bins"] == 10
+    t = res["temperatures"]["1"]
+    assert len(t["ece_raw"]) == len(t["ece_calibrated"]) == 3 and res["files"]["png_written"]
+    rows = t["admission_replay"]["rows"]
+    assert [r["budget_per_request"] for r in rows] == [1.0, 3.0]
+    assert all({"raw", "calibrated", "global_only", "oracle"} <= set(r) for r in rows)
