@@ -1,6 +1,7 @@
 """Does vLLM accept what our offline decoding accepts? Prints one JSON object.
 
     .venv/bin/python benchmarks/bench_draft_vllm_agreement.py --algorithm eagle3|dflash [--prompts 4] [--new-tokens 48] [--steps 40]
+    .venv/bin/python benchmarks/bench_draft_vllm_agreement.py --smoke   # (a) and the export on a tiny random target, no vLLM
 
 Briefly trains a draft for the embedded SmolLM2 on the target's own greedy answers to a few prompts
 (train = test: this measures *agreement*, not quality), then decodes the same prompts greedily
@@ -36,7 +37,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random target, 2 prompts of 16 tokens: trains, decodes "
+                    "offline and exports; vLLM is not started (a check of the code path up to it)")
     args = ap.parse_args()
+    target = "smollm2-135m-instruct"
+    if args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _smoke import smoke_env, tiny_target
+
+        smoke_env()
+        args.prompts, args.new_tokens = 2, 16
+        with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+            args.workdir = tmp
+            measure(args, str(tiny_target(Path(tmp))))
+        return
+    measure(args, target)
+
+
+def measure(args, target: str) -> None:
 
     import torch
 
@@ -49,7 +67,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-agree-"))
-    tgt = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+    tgt = load_target(target, dtype="float32", device="cpu")
     tok = tgt.tokenizer
     prompts = PROMPTS[: args.prompts]
     seqs, plens = [], []
@@ -107,6 +125,13 @@ def main() -> None:
     ckpt = save_draft(draft, work / "ckpt", tgt.provenance())
     export = export_draft(ckpt, work / "export", "vllm")
     spec = {"method": args.algorithm, "model": str(export), "num_speculative_tokens": K}
+    head = {"algorithm": args.algorithm, "target": target, "prompts": len(prompts), "new_tokens": args.new_tokens,
+            "train_steps": args.steps, "generate_s": round(gen_s, 1), "train_s": round(train_s, 1),
+            "train_metrics_last_step": train_metrics, "offline_fp32": offline}
+    if args.smoke:  # the server takes ~90 s to start on 2 cores
+        print(json.dumps({"smoke": True, **head, "not_run": "vLLM serving the export (vllm_bf16)",
+                          "export_files": sorted(f.name for f in Path(export).iterdir())}, indent=2))
+        return
     with VLLMServer(tgt.path, speculative_config=spec, log_path=work / "vllm.log", max_model_len=1024) as srv:
         before = srv.spec_decode_counters()
         for p in prompts:
@@ -119,10 +144,7 @@ def main() -> None:
     acc_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] + [0.0] * K)]
     vllm = {"drafts": drafts, "accepted_per_pos": acc_pos,
             "tau": round(1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), 4)}
-    print(json.dumps({"algorithm": args.algorithm, "target": "smollm2-135m-instruct", "prompts": len(prompts),
-                      "new_tokens": args.new_tokens, "train_steps": args.steps, "generate_s": round(gen_s, 1),
-                      "train_s": round(train_s, 1), "train_metrics_last_step": train_metrics,
-                      "offline_fp32": offline, "vllm_bf16": vllm}, indent=2))
+    print(json.dumps({**head, "vllm_bf16": vllm}, indent=2))
 
 
 if __name__ == "__main__":

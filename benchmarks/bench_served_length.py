@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,7 +55,7 @@ def trigram_hits(ids: list[int]) -> tuple[int, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="trained EAGLE-3 or DFlash draft (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
+    p.add_argument("checkpoint", nargs="?", help="trained EAGLE-3 or DFlash draft (e.g. checkpoints/quickstart-blend/eagle3/step_latest)")
     p.add_argument("--prompts", default=str(ROOT / "outputs" / "quickstart-blend" / "data" / "heldout.general.jsonl"),
                    help="conversations JSONL whose first user turns are asked (default: the quickstart's general held-out split)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 256, 512, 1024])
@@ -62,7 +63,26 @@ def main() -> int:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--smoke", action="store_true", help="an untrained draft of a tiny random target and its held-out prompts, "
+                   "exported for vLLM; the server is not started: a check of the code path up to it")
     args = p.parse_args()
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _smoke import smoke_env, tiny_recipe, untrained_checkpoint
+
+        smoke_env()
+        with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+            recipe = tiny_recipe(Path(tmp))
+            args.checkpoint = str(untrained_checkpoint(recipe, Path(tmp) / "ckpt"))
+            args.prompts = str(Path(tmp) / "data" / "regenerated.heldout.jsonl")
+            args.max_tokens, args.max_model_len = [16, 32], 256
+            return measure(args)
+    if args.checkpoint is None:
+        p.error("give a draft checkpoint (or --smoke)")
+    return measure(args)
+
+
+def measure(args) -> int:
     ckpt, prompts_path = Path(args.checkpoint), Path(args.prompts)
     for path, what in ((ckpt / "model.safetensors", "a draft checkpoint (step_N folder)"), (prompts_path, "a conversations JSONL")):
         if not path.exists():
@@ -103,8 +123,13 @@ def main() -> int:
     export_dir = ckpt / "eval" / "export-vllm"
     export_draft(ckpt, export_dir, "vllm", target=target_path)
     spec = {"method": VLLM_METHODS[algo], "model": str(export_dir), "num_speculative_tokens": args.spec_tokens}
-    out: dict = {"checkpoint": str(ckpt), "algorithm": algo, "prompts": str(prompts_path), "samples": len(prompts),
+    out: dict = {**({"smoke": True} if args.smoke else {}), "checkpoint": str(ckpt), "algorithm": algo, "prompts": str(prompts_path), "samples": len(prompts),
                  "skipped_too_long": skipped, "max_model_len": args.max_model_len, "num_speculative_tokens": args.spec_tokens, "by_max_tokens": {}}
+    if args.smoke:  # everything up to the server: ~90 s to start on 2 cores, too long for a check of the code path
+        out.update(not_run="the vLLM server and all it measures (by_max_tokens)",
+                   export_files=sorted(f.name for f in export_dir.iterdir()), spec_config=spec)
+        print(json.dumps(out))
+        return 0
     with VLLMServer(target_path, speculative_config=spec, max_model_len=args.max_model_len) as server:
         http = httpx.Client(base_url=server.url, timeout=httpx.Timeout(1800.0))
 
