@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from test_eval_runner import datasets_dir, tiny_ckpt  # noqa: F401 - module fixtures reused: a draft checkpoint, benchmark files
+from test_metrics import _stats  # AcceptanceStats from (proposed, accepted) rounds
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,15 +29,6 @@ ANSWERS = [
     (1023, [(3, 0)]),
     (20000, [(3, 3), (3, 1)]),
 ]
-
-
-def _stats(rounds):
-    from deepspec.eval.metrics import AcceptanceStats
-
-    s = AcceptanceStats()
-    for p, a in rounds:
-        s.add_round(p, a)
-    return s
 
 
 def test_bucket_ladder_and_per_bucket_figures_equal_the_subsets():
