@@ -272,3 +272,14 @@ def test_the_calibration_benchmark_prints_ece_and_the_replay_table(trained, one_
     rows = t["admission_replay"]["rows"]
     assert [r["budget_per_request"] for r in rows] == [1.0, 3.0]
     assert all({"raw", "calibrated", "global_only", "oracle"} <= set(r) for r in rows)
+
+
+def test_a_fit_without_signal_keeps_the_ranking_it_cannot_improve():
+    """Labels without a usable signal must not flip the head's ranking: one class only gives a ~ 0 and the bias of
+    (nearly) that class; anti-correlated labels, where the free fit takes a < 0, give a = 0 and the acceptance rate."""
+    z = np.linspace(-3, 3, 200)
+    a, b = fit_logistic(z, np.zeros(200))
+    assert 0.0 <= a < 0.1 and sigmoid(b) < 0.01
+    y = (z < 0).astype(float)  # anti-correlated: the free fit would take a < 0
+    a, b = fit_logistic(z, y)
+    assert a == 0.0 and sigmoid(b) == pytest.approx(0.5, abs=0.01)

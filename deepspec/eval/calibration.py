@@ -62,15 +62,9 @@ def pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64), np.asarray(pos, dtype=np.int64)
 
 
-def fit_logistic(z: np.ndarray, y: np.ndarray, *, bias: bool = True, ridge: float = 1e-4, iters: int = 100) -> tuple[float, float]:
-    """(a, b) minimising the mean NLL of sigmoid(a z + b) by damped Newton steps in float64. A tiny ridge towards the
-    identity (a = 1, b = 0) keeps separable data (all accepted, say) from running off to infinity."""
-    z, y = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    n = max(len(z), 1)
-    theta = np.array([1.0, 0.0])
-    prior = np.array([1.0, 0.0])
-    x = np.stack([z, np.ones_like(z)], 1) if bias else z[:, None]
-    theta, prior = (theta, prior) if bias else (theta[:1], prior[:1])
+def _newton(x: np.ndarray, y: np.ndarray, prior: np.ndarray, ridge: float, iters: int) -> np.ndarray:
+    """Minimise mean NLL of sigmoid(x @ theta) + ridge/2 |theta - prior|^2 by damped Newton steps (float64)."""
+    theta, n = prior.astype(np.float64).copy(), max(len(y), 1)
 
     def loss(t: np.ndarray) -> float:
         s = x @ t
@@ -83,17 +77,34 @@ def fit_logistic(z: np.ndarray, y: np.ndarray, *, bias: bool = True, ridge: floa
         hess = (x * (p * (1 - p))[:, None]).T @ x / n + ridge * np.eye(len(theta))
         step = np.linalg.solve(hess, grad)
         t = 1.0
-        while t > 1e-6:  # backtracking: Newton on the logistic loss can overshoot from far away
+        while True:  # backtracking: Newton on the logistic loss can overshoot from far away
             cand = theta - t * step
             new = loss(cand)
-            if new <= cur:
+            if new <= cur or t < 1e-6:
                 break
             t *= 0.5
-        theta, done = cand, abs(cur - new) < 1e-12
-        cur = new
-        if done or float(np.max(np.abs(t * step))) < 1e-10:
+        if new > cur:
             break
-    return float(theta[0]), float(theta[1]) if bias else 0.0
+        theta, gain, cur = cand, cur - new, new
+        if gain < 1e-13 or float(np.max(np.abs(t * step))) < 1e-10:
+            break
+    return theta
+
+
+def fit_logistic(z: np.ndarray, y: np.ndarray, *, bias: bool = True, ridge: float = 1e-4, iters: int = 100) -> tuple[float, float]:
+    """(a, b) minimising the mean NLL of sigmoid(a z + b). A tiny ridge towards the identity (a = 1, b = 0) keeps
+    separable data (all accepted, say) from running off to infinity. a is held >= 0: a temperature must not invert the
+    head's ranking; where the free optimum has a < 0 (no signal, e.g. one class only) the constrained one is a = 0 with
+    the bias alone."""
+    z, y = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if bias:
+        a, b = _newton(np.stack([z, np.ones_like(z)], 1), y, np.array([1.0, 0.0]), ridge, iters)
+    else:
+        (a,), b = _newton(z[:, None], y, np.array([1.0]), ridge, iters), 0.0
+    if a < 0:
+        a = 0.0
+        b = float(_newton(np.ones((len(z), 1)), y, np.array([0.0]), ridge, iters)[0]) if bias else 0.0
+    return float(a), float(b)
 
 
 @dataclass
