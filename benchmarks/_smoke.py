@@ -47,11 +47,13 @@ def tiny_target(root: Path) -> Path:
 def tiny_recipe(root: Path, *, samples: int = 8, heldout: int = 4, max_length: int = 96, train: str = "max_steps: 2",
                 algorithm: str = "eagle3", extra: str = "") -> Path:
     """`root`/recipe.yaml: the quickstart EAGLE-3 recipe on the tiny target, with `samples` train and `heldout` held-out
-    conversations already regenerated (the data stages have nothing to do). `train`: YAML flow pairs of the train section."""
+    conversations already regenerated (so a smoke runs the pipeline from the cache stage on). `train`: YAML flow pairs of the train section."""
     target = tiny_target(root)
     data = root / "data"
     write_jsonl(data / "regenerated.jsonl", conversations(samples))
-    write_jsonl(data / "regenerated.heldout.jsonl", conversations(heldout, seed=1, first_id=1000))
+    held = conversations(heldout, seed=1, first_id=1000)
+    write_jsonl(data / "regenerated.heldout.jsonl", held)
+    write_jsonl(data / "heldout.jsonl", held)  # the held-out prompts the evaluator asks (`eval.tasks: [heldout]`)
     path = root / "recipe.yaml"
     model = f"algorithm: {algorithm}, target_layer_ids: {TAPS}, draft_vocab_size: null, init_copy_heads: false"
     path.write_text(f"""_base_: {REPO}/config/quickstart/eagle3.yaml
@@ -62,7 +64,7 @@ target: {{name: {target}, dtype: float32}}
 data: {{dir: {data}}}
 cache: {{max_length: {max_length}}}
 model: {{{model}}}
-train: {{output_root: {root}/ckpt, precision: fp32, global_batch_size: 2, micro_batch_size: 1, val_every: 0, {train}}}
+train: {{output_root: {root}/ckpt, precision: fp32, global_batch_size: 2, micro_batch_size: 1, {train}}}
 logging: {{progress: false, wandb: false, tensorboard: false}}
 {extra}""")
     return path

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -124,7 +125,7 @@ def served_length(cfg, target_path: str, draft_dir: Path, rows: list[dict], spec
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config", help="an EAGLE-3 recipe (e.g. config/quickstart/eagle3_blend.yaml)")
+    p.add_argument("config", nargs="?", help="an EAGLE-3 recipe (e.g. config/quickstart/eagle3_blend.yaml)")
     p.add_argument("--opts", nargs="+", default=[])
     p.add_argument("--split", default="heldout:general", help="held-out split asked of both drafts: heldout or heldout:<name>")
     p.add_argument("--max-samples", type=int, default=64)
@@ -134,15 +135,33 @@ def main() -> int:
     p.add_argument("--peer-dir", default=os.environ.get("PEER_DIR", str(ROOT.parent / "shared" / "peers")),
                    help="folder with speculators_cpu.py and cpu_hidden_states_connector.py")
     p.add_argument("--work", default=None, help="peer work folder (default: <project>/bench_peer)")
+    p.add_argument("--smoke", action="store_true", help="our side on a tiny random target (cache, 2 training steps, the peer's "
+                   "input rows, our export, the held-out prompts); the peer and vLLM are not run: a check of the code path")
     args = p.parse_args()
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _smoke import smoke_env, tiny_recipe
+
+        smoke_env()
+        with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+            args.config, args.split, args.work = str(tiny_recipe(Path(tmp))), "heldout", str(Path(tmp) / "bench_peer")
+            return compare(args)
+    if args.config is None:
+        p.error("give an EAGLE-3 recipe (or --smoke)")
+    return compare(args)
+
+
+def compare(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
 
     peer_bin, peer_dir = Path(args.peer_venv) / "bin", Path(args.peer_dir)
-    if not (peer_bin / "speculators").exists():
+    if args.smoke:
+        pass  # the peer is not run
+    elif not (peer_bin / "speculators").exists():
         return _fail(f"no speculators in {args.peer_venv}: run `bash benchmarks/peer_setup.sh` first (or set PEER_VENV)")
-    if not (peer_dir / "speculators_cpu.py").is_file():
+    elif not (peer_dir / "speculators_cpu.py").is_file():
         return _fail(f"{peer_dir} has no speculators_cpu.py: set PEER_DIR to the shared peers folder")
 
     from deepspec.config import load_config
@@ -158,7 +177,9 @@ def main() -> int:
 
     # 1. ours, timed by the pipeline's own train stage
     with contextlib.redirect_stdout(sys.stderr):  # the run's summary table must not mix with the JSON line
-        (rec,) = run([args.config], args.opts, stages=("prompts", "regenerate", "cache", "train"), engine=False)
+        # a smoke's recipe comes with its conversations regenerated
+        stages = ("cache", "train") if args.smoke else ("prompts", "regenerate", "cache", "train")
+        (rec,) = run([args.config], args.opts, stages=stages, engine=False)
     train_stage = next(s for s in rec.stages if s.name == "train")
     if train_stage.skipped:
         return _fail(f"the train stage was reused ({rec.checkpoint}): delete {cfg.run_dir} so that its time is measured")
@@ -183,6 +204,18 @@ def main() -> int:
             rows.append({"id": r["id"], "input_ids": list(chat.input_ids), "loss_mask": [int(x) for x in chat.loss_mask]})
             tokens += len(chat.input_ids)
     write_jsonl_atomic(work / "peer_input.jsonl", rows)
+    if args.smoke:
+        prompts_path, held = held_out_prompts(cfg, args.split, args.max_samples)
+        ours_export = export_draft(rec.checkpoint, work / "ours-export-vllm", "vllm", target=target_path)
+        print(json.dumps({
+            "smoke": True, "not_run": "the peer (speculators prepare-data, its hidden states through vLLM, its training) and "
+                                      "vLLM serving both drafts (ours, peer)",
+            "budget_s": round(budget_s, 1), "peer_input_rows": len(rows), "peer_input_tokens": tokens,
+            "peer_epochs_for_budget": max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S))),
+            "prompts": {"split": args.split, "file": str(prompts_path), "samples": len(held), "max_tokens": max_tokens},
+            "ours_export_files": sorted(f.name for f in Path(ours_export).iterdir()), "checkpoint": str(rec.checkpoint),
+            "seconds": round(time.monotonic() - t_all, 1)}))
+        return 0
     data_dir = work / "data"
     code, _ = run_peer([str(peer_bin / "speculators"), "prepare-data", "--model", target_path, "--data", str(work / "peer_input.jsonl"),
                         "--output", str(data_dir), "--token-freq-path", str(data_dir / "token_freq.pt"), "--no-skip-token-freq",
