@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,21 +40,40 @@ def _last_row(path: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config")
+    p.add_argument("config", nargs="?")
     p.add_argument("--opts", nargs="*", default=[], help="overrides for every run, data stages included")
     p.add_argument("--shape", nargs="*", default=[], help="training overrides of both modes (e.g. micro-batch 1)")
     p.add_argument("--tag", default="", help="suffix of the run names (one per --shape)")
     p.add_argument("--modes", nargs="+", default=["tokens", "positions"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--split", default="heldout:general")
+    p.add_argument("--smoke", action="store_true", help="a tiny random target, one seed, 2 training steps per mode, our "
+                   "evaluation on 2 held-out prompts; vLLM is not started: a check of the code path")
     args = p.parse_args()
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _smoke import smoke_env, tiny_recipe
+
+        smoke_env()
+        args.seeds, args.split = [0], "heldout"
+        args.opts = [*args.opts, "eval.max_samples=2", "eval.max_new_tokens=8"]
+        with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+            args.config = str(tiny_recipe(Path(tmp)))
+            return compare(args)
+    if args.config is None:
+        p.error("give a recipe (or --smoke)")
+    return compare(args)
+
+
+def compare(args) -> int:
     for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("WANDB_MODE", "offline"), ("DEEPSPEC_NO_PROGRESS", "1")):
         os.environ.setdefault(k, v)
     from deepspec.pipeline import run
 
     t0 = time.monotonic()
     with contextlib.redirect_stdout(sys.stderr):  # the runs' summary tables must not mix with the JSON
-        run([args.config], args.opts, stages=("prompts", "regenerate", "cache"), engine=False)
+        # a smoke's recipe comes with its conversations regenerated
+        run([args.config], args.opts, stages=("cache",) if args.smoke else ("prompts", "regenerate", "cache"), engine=False)
     eval_opts = [f"eval.tasks=[{args.split}]", "eval.engine_speedup=false"]
     runs = []
     for seed in args.seeds:
@@ -61,7 +81,7 @@ def main() -> int:
             name = f"lossnorm-{mode}-s{seed}" + (f"-{args.tag}" if args.tag else "")
             opts = [*args.opts, *args.shape, *eval_opts, f"run.name={name}", f"train.loss_normalization={mode}", f"train.seed={seed}"]
             with contextlib.redirect_stdout(sys.stderr):
-                (rec,) = run([args.config], opts, stages=("train", "eval", "engine"))
+                (rec,) = run([args.config], opts, stages=("train", "eval") if args.smoke else ("train", "eval", "engine"))
             train = next((s for s in rec.stages if s.name == "train"), None)
             cell = ((rec.results or {}).get("engine") or {}).get("tasks", {}).get(args.split) or {}
             ours = ((rec.results or {}).get("tasks") or {}).get(args.split) or {}
@@ -83,6 +103,7 @@ def main() -> int:
     spread = [max(xs) - min(xs) for m in args.modes
               if len(xs := [r["vllm_tau"] for r in runs if r["mode"] == m and r["vllm_tau"] is not None]) > 1]
     print(json.dumps({
+        **({"smoke": True, "not_run": "vLLM serving each draft (vllm_tau, vllm_acceptance_per_pos)"} if args.smoke else {}),
         "config": args.config, "opts": args.opts, "shape": args.shape, "split": args.split,
         "temperature": 0.0, "runs": runs, "by_mode": by_mode,
         "seed_spread_vllm_tau": round(max(spread), 4) if spread else None,  # two runs of one mode: the noise floor
