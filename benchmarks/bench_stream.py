@@ -44,6 +44,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def _recipe(root: Path, args) -> Path:
     path = root / "recipe.yaml"
+    tiny = ""
+    if args.smoke:  # the tiny random target and taps of its 6 layers
+        from _smoke import TAPS, tiny_target
+
+        tiny = (f"target: {{name: {tiny_target(root)}, dtype: float32}}\n"
+                f"model: {{target_layer_ids: {TAPS}, draft_vocab_size: null, init_copy_heads: false}}\n")
     path.write_text(f"""_base_: {REPO}/config/quickstart/eagle3.yaml
 project: bench-stream
 exp: offline
@@ -52,9 +58,9 @@ data: {{dir: {root / 'data'}}}
 target: {{dtype: float32}}
 cache: {{max_length: {args.max_length}, spool_gb: {args.spool_gb}, stream_ahead: 4, stream_producers: 0}}
 train: {{output_root: {root}/ckpt, precision: fp32, max_steps: {args.steps}, global_batch_size: 4, micro_batch_size: 1,
-        save_every: {args.steps}, val_every: 0, log_every: 1, num_workers: 2}}
+        save_every: {args.steps}, val_every: 0, log_every: 1, prefetch_depth: 2}}
 logging: {{progress: false, wandb: false, tensorboard: false}}
-""")
+{tiny}""")
     return path
 
 
@@ -72,7 +78,11 @@ def main() -> int:
     ap.add_argument("--spool-gb", type=float, default=0.05)
     ap.add_argument("--transports", nargs="+", default=["file"], choices=["file", "mooncake"],
                     help="streamed runs to make: through the spool folder and/or a Mooncake store on 127.0.0.1 (TCP)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random target (byte tokens), 8 samples of at most 192 tokens, 2 steps, "
+                    "the file spool: a check of the code path")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.steps, args.max_length, args.transports = 8, 2, 192, ["file"]
     os.environ.update(DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_CACHE_DEVICE="cpu")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("bench_stream.py needs 2 cores: the producer and the trainer each get one.")
@@ -83,18 +93,20 @@ def main() -> int:
     from deepspec.train import train
 
     torch.set_num_threads(1)
-    out: dict = {"target": "smollm2-135m-instruct", "draft": "eagle3 (config/quickstart/eagle3.yaml)", "samples": args.samples,
+    out: dict = {**({"smoke": True} if args.smoke else {}), "target": "tiny random llama" if args.smoke else "smollm2-135m-instruct", "draft": "eagle3 (config/quickstart/eagle3.yaml)", "samples": args.samples,
                  "max_length": args.max_length, "steps": args.steps, "global_batch": 4, "machine": "CPU, trainer core 0, producer core 1"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
-        write_conversations(root / "data" / "regenerated.jsonl", args.samples)
+        write_conversations(root / "data" / "regenerated.jsonl", args.samples, 40 if args.smoke else None)
         recipe = _recipe(root, args)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
         t0 = time.perf_counter()  # the offline cache, built on core 1 as the producer runs there
-        subprocess.run(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "cache", str(recipe), "--split", "train"],
-                       env=env, check=True, capture_output=True)
+        built = subprocess.run(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "cache", str(recipe), "--split",
+                                "train"], env=env, capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(f"the offline cache build failed:\n{built.stderr[-3000:]}")
         build_s = time.perf_counter() - t0
         os.sched_setaffinity(0, {0})
         cfg = load_config(recipe)
