@@ -1,7 +1,10 @@
 """Run every benchmark script and collect their JSON into benchmarks/results/<date>.json + .md.
 
-Each bench_*.py prints one JSON object (its last stdout line that parses as JSON). Usage:
+Each bench_*.py prints one JSON object (the last one on its stdout, on one line or indented). Usage:
     python benchmarks/run_all.py [--only cache train] [--checkpoint CKPT] [--quickstart-summary PATH]
+    python benchmarks/run_all.py --smoke [--only copy eval] [--jobs 2] [--out DIR/smoke.json]
+--smoke runs every script's own --smoke (tiny shapes, seconds each) and writes the collected JSON into a temporary
+folder (or --out), never into benchmarks/results/: a check that the scripts still run, not a measurement.
 The quickstart summary (outputs/quickstart-blend/summary.json, written by `deepspec run`) is folded in
 when present, so one file carries tau per algorithm and benchmark as well.
 """
@@ -10,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import platform
@@ -20,28 +25,35 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["regenerate", "cache", "train", "eval"]
+# every script's smoke: bench_<name>.py and its arguments (the GPU drivers bench_gpu.py and gpu_check.sh have their own)
+SMOKES = {name: ["--smoke"] for name in [
+    "cache", "copy", "draft_vllm_agreement", "drafts", "eval", "launches", "loader", "loss_normalization", "peer", "plan",
+    "regenerate", "replay", "served_length", "step_time", "stream", "train"]}
+SMOKES["draft_memory"] = ["--recipe", "config/eagle3/smollm2.yaml", "--smoke"]
 
 
 def last_json(text: str):
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith(("{", "[")):
+    """The last JSON value that starts a line and runs to the end of the output (one line or indented)."""
+    lines = text.rstrip().splitlines(keepends=True)
+    decoder = json.JSONDecoder()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].lstrip().startswith(("{", "[")):
+            rest = "".join(lines[i:]).strip()
             try:
-                return json.loads(line)
+                value, end = decoder.raw_decode(rest)
             except json.JSONDecodeError:
                 continue
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
+            if not rest[end:].strip():
+                return value
+    return None
 
 
-def run_bench(name: str, extra: list[str]) -> dict:
+def run_bench(name: str, extra: list[str], env: dict | None = None) -> dict:
     script = HERE / f"bench_{name}.py"
     if not script.is_file():
         return {"error": f"{script.name} not found"}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, cwd=HERE.parent)
+    proc = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, cwd=HERE.parent, env=env)
     result = last_json(proc.stdout)
     if proc.returncode != 0 or result is None:
         return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
@@ -67,7 +79,10 @@ def markdown(data: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=BENCHES, default=BENCHES)
+    ap.add_argument("--only", nargs="+", choices=sorted(set(BENCHES) | set(SMOKES)), default=None,
+                    help=f"default: {' '.join(BENCHES)} (with --smoke: every script)")
+    ap.add_argument("--smoke", action="store_true", help="run every script's --smoke; results go to a temporary folder")
+    ap.add_argument("--jobs", type=int, default=1, help="smokes run at once (--smoke only)")
     ap.add_argument("--checkpoint", default=None,
                     help="draft checkpoint for bench_eval (default: the quickstart's checkpoints/quickstart-blend/eagle3/step_latest "
                          "when it exists, else an untrained draft, which measures only the decoding loop's overhead)")
@@ -77,6 +92,11 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
+    if args.smoke:
+        return smoke(args, ap)
+    args.only = args.only or BENCHES
+    if unknown := [n for n in args.only if n not in BENCHES]:
+        ap.error(f"{', '.join(unknown)} run only with --smoke here; run the script itself for a measurement")
     data = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
@@ -105,6 +125,30 @@ def main() -> int:
     out.with_suffix(".md").write_text(markdown(data))
     print(json.dumps({"results": str(out), "summary": str(out.with_suffix(".md"))}))
     return 0 if all("error" not in e for e in data["benchmarks"].values()) else 1
+
+
+def smoke(args, ap) -> int:
+    """Every script's --smoke (`--jobs` at a time, one thread each), collected into one JSON file outside results/."""
+    names = args.only or sorted(SMOKES)
+    if unknown := [n for n in names if n not in SMOKES]:
+        ap.error(f"no smoke for {', '.join(unknown)}")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="deepspec_smoke_")) / "smoke.json"
+    if out.resolve().is_relative_to((HERE / "results").resolve()):
+        ap.error("smoke figures are checks of the code paths, not results: give --out outside benchmarks/results")
+    data = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "smoke": True,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}", "benchmarks": {}}
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        done = dict(zip(names, pool.map(lambda n: run_bench(n, SMOKES[n], env), names)))
+    data["benchmarks"] = {n: done[n] for n in names}
+    data["seconds"] = round(time.monotonic() - t0, 1)
+    failed = sorted(n for n, e in done.items() if "error" in e)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(data))
+    print(json.dumps({"results": str(out), "summary": str(out.with_suffix(".md")), "failed": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
