@@ -300,8 +300,8 @@ def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bia
 
 
 def plot_reliability(report: dict[str, Any], path: Path, bins: int = DEFAULT_BINS) -> Path | None:
-    """Reliability diagram (equal-mass bins): mean confidence vs observed acceptance, raw and calibrated, one panel per
-    temperature. None when matplotlib is missing."""
+    """Reliability diagram (equal-mass bins): mean confidence vs observed acceptance, raw and calibrated, pooled over
+    positions (per-position ECE is in the JSON), one panel per temperature. None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -319,7 +319,7 @@ def plot_reliability(report: dict[str, Any], path: Path, bins: int = DEFAULT_BIN
                     label=f"{label} (ECE {ece(p, y, bins):.3f})")
         ax.plot([0, 1], [0, 1], ":", color="gray")
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (bin mean)", ylabel="accepted (bin mean)",
-               title=f"T = {name}, {bins} equal-mass bins")
+               title=f"T = {name}, all positions, {bins} equal-mass bins")
         ax.legend(loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
