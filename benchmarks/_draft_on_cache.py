@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +30,22 @@ def load_draft_and_cache(checkpoint: Path, cache_dir: Path, target_dtype: str | 
     dtype = target_dtype or data.manifest.get("target_dtype", "float32")
     target = load_target(data.manifest["target"], dtype=dtype, device="cpu")
     return data, target, load_draft(checkpoint, target.model).eval()
+
+
+@contextlib.contextmanager
+def smoke_inputs(args):
+    """--smoke: point args.checkpoint and args.cache at an untrained draft and the held-out cache of a tiny target
+    (benchmarks/_smoke.py), removed afterwards; otherwise insist on a checkpoint."""
+    if not args.smoke:
+        if args.checkpoint is None:
+            raise SystemExit("give a draft checkpoint (or --smoke)")
+        yield
+        return
+    from _smoke import cached_split, smoke_env, tiny_recipe, untrained_checkpoint
+
+    smoke_env()
+    with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
+        recipe = tiny_recipe(Path(tmp))
+        args.cache = str(cached_split(recipe))
+        args.checkpoint = str(untrained_checkpoint(recipe, Path(tmp) / "ckpt"))
+        yield

@@ -19,10 +19,8 @@ so the figures are those of the untrained circuit alone (needs a checkpoint trai
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _draft_on_cache import input_error, load_draft_and_cache  # noqa: E402
+from _draft_on_cache import input_error, load_draft_and_cache, smoke_inputs  # noqa: E402
 
 
 def trigram_lookup(ids: list[int], t: int) -> int | None:
@@ -53,24 +51,6 @@ def main() -> int:
     args = p.parse_args()
     with smoke_inputs(args):
         return measure(args)
-
-
-@contextlib.contextmanager
-def smoke_inputs(args):
-    """--smoke: point checkpoint and cache at an untrained draft and the held-out cache of a tiny target, removed after."""
-    if not args.smoke:
-        if args.checkpoint is None:
-            raise SystemExit("give a draft checkpoint (or --smoke)")
-        yield
-        return
-    from _smoke import cached_split, smoke_env, tiny_recipe, untrained_checkpoint
-
-    smoke_env()
-    with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
-        recipe = tiny_recipe(Path(tmp))
-        args.cache = str(cached_split(recipe))
-        args.checkpoint = str(untrained_checkpoint(recipe, Path(tmp) / "ckpt"))
-        yield
 
 
 def measure(args) -> int:
