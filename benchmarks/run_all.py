@@ -29,7 +29,7 @@ BENCHES = ["regenerate", "cache", "train", "eval"]
 SMOKES = {name: ["--smoke"] for name in [
     "cache", "copy", "draft_vllm_agreement", "drafts", "eval", "launches", "loader", "loss_normalization", "peer", "plan",
     "regenerate", "replay", "served_length", "step_time", "stream", "train"]}
-SMOKES["draft_memory"] = ["--recipe", "config/eagle3/smollm2.yaml", "--smoke"]
+SMOKES["draft_memory"] = ["--recipe", "config/eagle3/qwen3-8b.yaml", "--smoke"]
 
 
 def last_json(text: str):
