@@ -135,6 +135,11 @@ def test_section_validation():
         load_config(None, ["model.norm_before_fc=true"])  # fc_norm is on by default
     cfg = load_config(None, ["model.norm_before_fc=true", "model.fc_norm=false"])
     assert cfg.model.norm_before_fc and not cfg.model.fc_norm
+    with pytest.raises(ConfigError, match="train.val_every must be >= 0"):
+        load_config(None, ["train.val_every=-1"])
+    with pytest.raises(ConfigError, match="train.save_every must be >= 1"):
+        load_config(None, ["train.save_every=0"])
+    assert load_config(None, ["train.val_every=0"]).train.val_every == 0  # at the end only
 
 
 def test_opts_malformed():

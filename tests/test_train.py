@@ -363,6 +363,17 @@ def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
     assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
 
 
+def test_val_every_zero_validates_at_the_end_only(recipe):
+    """train.val_every=0 with a held-out cache: no validation mid-run (it divided by zero), one at the last step."""
+    from deepspec.train import train
+
+    cfg = _cfg(recipe, "exp=val0", "train.val_every=0", "train.max_steps=2", "train.save_every=1")
+    with _on_cpu():
+        out = train(cfg)
+    assert out.name == "step_2"
+    assert json.loads((cfg.run_dir / "best.json").read_text())["step"] == 2
+
+
 def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
     """The reference read its cache inline (the default on a CPU, where a loader thread has nothing to overlap);
     train.prefetch_depth=2 reads two micro-batches ahead in the background thread: same batches, same losses, same

@@ -70,7 +70,7 @@ class TrainConfig:
     keep_last: int = 3
     # Resume from <run_dir>/step_latest when it exists.
     resume: bool = True
-    val_every: int = 500
+    val_every: int = 500  # 0: validate at the end only
     val_max_samples: int = 64
     val_batch_size: int = 4
     log_every: int = 10
@@ -97,6 +97,10 @@ class TrainConfig:
             raise ConfigError(f"train.loader_processes must be >= 0 or null (auto), got {self.loader_processes}.")
         if self.max_nonfinite_steps < 0:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}.")
+        for key in ("save_every", "val_every", "log_every"):
+            if getattr(self, key) < (0 if key == "val_every" else 1):
+                raise ConfigError(f"train.{key} must be {'>= 0 (0: at the end only)' if key == 'val_every' else '>= 1'}, "
+                                  f"got {getattr(self, key)}.")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ConfigError(f"train.prefetch_depth must be >= 0 or null (auto), got {self.prefetch_depth}.")
         if self.attention not in ("sdpa", "flex"):

@@ -259,7 +259,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
 
             val_metrics = None
             is_last = step == total_steps
-            if parts.val_data is not None and (step % tcfg.val_every == 0 or is_last):
+            if parts.val_data is not None and ((tcfg.val_every and step % tcfg.val_every == 0) or is_last):
                 val_metrics = run_validation(wrapped, parts.val_data, cfg, info, autocast)
                 if info.is_main:
                     loggers.log({f"val/{k}": v for k, v in val_metrics.items()}, step)
