@@ -50,7 +50,7 @@ def smoke_checkpoint(root: Path) -> tuple[Path, list[str]]:
 
 def summary(report: dict, checkpoint: Path, mode: str) -> dict:
     """The figures a reader compares: ECE per position before / after, the fitted pairs, the replay table."""
-    out = {"mode": mode, "checkpoint": str(checkpoint), "bins": report["bins"], "binning": report["binning"],
+    out = {"smoke": mode == "smoke", "mode": mode, "checkpoint": str(checkpoint), "bins": report["bins"], "binning": report["binning"],
            "label": report["label"], "split": report["split"], "bake": report["bake"], "temperatures": {}}
     for t, v in report["temperatures"].items():
         out["temperatures"][t] = {

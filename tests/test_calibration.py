@@ -8,7 +8,6 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +16,6 @@ from safetensors.torch import load_file
 
 from deepspec.eval.calibration import (Round, admit, calibration_report, ece, fit_logistic, fit_scaling, oracle_scores,
                                        pairs, replay_table, sigmoid, write_calibration)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _synthetic_rounds(n: int, k: int, a_true: list[float], b_true: list[float], seed: int = 0) -> list[Round]:
@@ -217,12 +214,9 @@ def test_vllms_confidence_head_computes_the_calibrated_values_from_the_export(ba
 
 
 def _bench():
-    import importlib.util
+    from script_loader import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_calibration.py")
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +260,7 @@ def test_the_calibration_benchmark_prints_ece_and_the_replay_table(trained, one_
     _, ckpt, opts = trained
     assert _bench().main(["--checkpoint", str(ckpt), "--opts", *opts, "--budgets", "1,3", "--out", str(tmp_path / "b.json")]) == 0
     res = json.loads((tmp_path / "b.json").read_text())
-    assert json.loads(capsys.readouterr().out) == res and res["mode"] == "checkpoint" and res["bins"] == 10
+    assert json.loads(capsys.readouterr().out) == res and res["mode"] == "checkpoint" and res["smoke"] is False and res["bins"] == 10
     t = res["temperatures"]["1"]
     assert len(t["ece_raw"]) == len(t["ece_calibrated"]) == 3 and res["files"]["png_written"]
     rows = t["admission_replay"]["rows"]
