@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU machine should measure, in one command, under 9 minutes:
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s S]
+#   bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s S] [--rows NAME,NAME...]
 #
 # It runs the project from this source tree (PYTHONPATH; nothing is installed but the peer's wheels, when given) with
 # the machine's own python (PYTHON, default python3: torch and transformers must be there). In priority order, each row
@@ -16,6 +16,10 @@
 #   v4-memory  one training step of config/dflash/deepseek-v4-flash.yaml at its real size: its measured peak memory
 #   long       one 32,768-token EAGLE-3 sample per step with activation checkpointing
 #   flex       DFlash as in `ours` with train.attention=flex (one FlexAttention call per layer; CUDA only: --smoke skips it)
+#   eager      DFlash and DSpark as in `ours` with train.compile=false: what compiling the draft layers gains (CUDA only:
+#              on a CPU `ours` is already eager, so --smoke skips it)
+# --rows runs only the rows named (comma-separated, e.g. --rows ours,flex to rerun two); the others write a "skipped"
+# line, so rows.jsonl still lists every row in order.
 # Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
 # and a row that fails or hangs writes an error line while the next row runs. OUT_DIR receives, as each row finishes:
 #   rows.jsonl   the environment, every measured row, one status line per row (benchmark "gpu_check")
@@ -26,16 +30,18 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS]" >&2; exit 2; }
+usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
+ALL_ROWS="env tests ours cache peer v4-memory long flex eager"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
-SMOKE=0; WHEELS=""; BUDGET=""
+SMOKE=0; WHEELS=""; BUDGET=""; ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --peer-wheels) [ $# -ge 2 ] || usage; WHEELS="$2"; shift ;;
     --budget-s) [ $# -ge 2 ] || usage; BUDGET="$2"; shift ;;
+    --rows) [ $# -ge 2 ] || usage; ONLY="${2//,/ }"; shift ;;
     *) echo "gpu_check.sh: unknown option $1" >&2; usage ;;
   esac
   shift
@@ -44,6 +50,9 @@ if [ -n "$WHEELS" ] && ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   echo "gpu_check.sh: --peer-wheels $WHEELS holds no .whl files (make them with: bash benchmarks/peer_setup.sh --gpu-wheels)" >&2
   exit 2
 fi
+for name in $ONLY; do
+  case " $ALL_ROWS " in *" $name "*) ;; *) echo "gpu_check.sh: --rows names an unknown row '$name'; the rows are: $ALL_ROWS" >&2; exit 2 ;; esac
+done
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
   echo "gpu_check.sh: $PY cannot import torch and transformers; set PYTHON to an interpreter that can" >&2
@@ -67,25 +76,27 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN=(--smoke --accum 2); LONG=(--smoke --seq-len 512); ROW_S=150
   TESTS=(--collect-only -q)  # on a CPU the CUDA tests would only skip: collect them (the selection must exist)
   V4=(--smoke)
-  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0
+  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0
 else
   BUDGET="${BUDGET:-515}"  # + the last row's kill grace (10 s) and the summary: under 9 minutes
-  TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 4); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=120
+  TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 4); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
   TESTS=(-q)
   V4=()
-  L_ENV=60; L_TESTS=90; L_OURS=330; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130
+  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130; L_EAGER=150
 fi
 START=$SECONDS
 
 # row NAME LIMIT [--log FILE] -- COMMAND...: COMMAND under min(LIMIT, what is left of the budget)
 row() {
   local name="$1" limit="$2"; shift 2
+  if ! selected "${name%-install}"; then skip "$name" "not selected (--rows $ONLY)"; return; fi
   local log="$LOG"
   if [ "$1" = --log ]; then log="$2"; shift 2; fi
   local left=$(( BUDGET - (SECONDS - START) ))
   [ "$left" -lt "$limit" ] && limit="$left"
   "$PY" "$BENCH/_procs.py" --name "$name" --limit "$limit" --jsonl "$ROWS" --log "$log" "$@"
 }
+selected() { [ -z "$ONLY" ] || case " $ONLY " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 skip() {  # skip NAME WHY
   "$PY" - "$ROWS" "$1" "$2" <<'EOF'
 import json, sys
@@ -135,6 +146,13 @@ else
   row flex "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash --no-peer \
     --extra-opts train.attention=flex --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" \
     --profile-tag flex --jsonl "$ROWS"
+fi
+
+if [ "$SMOKE" = 1 ]; then
+  skip eager "on a CPU train.compile=auto is eager already: the ours rows are the eager rows"
+else
+  row eager "$L_EAGER" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
+    --extra-opts train.compile=false --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 fi
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'

@@ -282,11 +282,13 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert len(files) <= 8 and {"rows.jsonl", "log.txt", "tests.txt"} <= set(files), files
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "summary"]
+    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager",
+                            "summary"]
     assert rows[-1]["row"] == "summary"
     for name in ("env", "tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
-    assert status["peer"]["status"] in ("ok", "skipped") and status["flex"]["status"] == "skipped"
+    assert status["peer"]["status"] in ("ok", "skipped")
+    assert status["flex"]["status"] == "skipped" and status["eager"]["status"] == "skipped"
     assert rows[0]["row"] == "env" and "torch" in rows[0]
     assert "collected" in (out / "tests.txt").read_text()
     by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in rows if r.get("benchmark") == "train"}
@@ -300,3 +302,24 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert long["tokens_per_s"] > 0 and long["activation_checkpointing"] and "profile" not in long
     memory = next(r for r in rows if r.get("benchmark") == "draft_memory")
     assert memory["measured_on"] == "cpu" and memory["measured_peak_gb"] > 0 and memory["state"]["trainable_params"] > 1e9
+
+
+def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path):
+    """`--rows env`: the env row runs, every other row writes a "not selected" line in the usual order (so a rerun of
+    the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, DEEPSPEC_NO_PROGRESS="1")
+    script = str(ROOT / "benchmarks" / "gpu_check.sh")
+    proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
+    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager", "summary"]
+    assert status["env"]["status"] == "ok"
+    for name in ("tests", "ours", "cache", "v4-memory", "long"):
+        assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
+    assert not any(r.get("benchmark") == "train" for r in rows)
+    bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "--smoke", "--rows", "env,ourz"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "unknown row 'ourz'" in bad.stderr and not (tmp_path / "bad").exists()
