@@ -66,7 +66,8 @@ def main() -> int:
 
     from deepspec.config import config_from_dict
     from deepspec.data.cache.reader import CacheDataset, widen
-    from deepspec.data.cache.writer import load_plan_inputs, finalize, make_plan, write_shards
+    from deepspec.data.cache.plan import load_plan_inputs, make_plan
+    from deepspec.data.cache.shards import finalize, write_shards
     from deepspec.targets import load_target
 
     target = load_target("smollm2-135m-instruct", device="cpu")

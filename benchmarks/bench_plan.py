@@ -66,7 +66,7 @@ def main() -> None:
 def measure(args, work: Path) -> None:
 
     from deepspec.config import load_config
-    from deepspec.data.cache.writer import load_plan_inputs, make_plan
+    from deepspec.data.cache.plan import load_plan_inputs, make_plan
     from deepspec.eval.engine import machine_description
     from deepspec.targets.embedded import embedded_target_dir
 

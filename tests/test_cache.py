@@ -20,8 +20,9 @@ import torch
 
 from deepspec.config import config_from_dict
 from deepspec.data.cache import format as fmt
+from deepspec.data.cache.plan import estimate, plan_split
 from deepspec.data.cache.reader import CacheDataset, collate, open_cache
-from deepspec.data.cache.writer import build_cache, estimate, plan_split
+from deepspec.data.cache.writer import build_cache
 from deepspec.data.chat import render_conversation
 from deepspec.errors import CacheError
 
@@ -260,14 +261,14 @@ def test_cache_worker_barrier_is_gloo_on_a_gpu_machine(monkeypatch):
     one GPU failed ("Duplicate GPU detected", seen on an H100). The group never carries tensors: gloo everywhere."""
     import torch.distributed as dist
 
-    from deepspec.data.cache import writer
+    from deepspec.data.cache import ranks
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: seen.setdefault("backend", backend))
     monkeypatch.setattr(dist, "barrier", lambda *a, **kw: seen.setdefault("barrier", True))
-    writer._barrier()
+    ranks.barrier()
     assert seen == {"backend": "gloo", "barrier": True}
 
 
@@ -332,9 +333,9 @@ def test_verify_cli_reports_corrupt_sample(bf16_cache, tmp_path, capsys, monkeyp
     with open(d / fmt.shard_name(int(row["shard"])), "r+b") as f:
         f.seek(int(row["offset"]) + int(row["nbytes"]) - 3)
         f.write(b"\xff\x00\xff")
-    import deepspec.data.cache.writer as writer
+    import deepspec.data.cache.plan as plan
 
-    monkeypatch.setattr(writer, "split_paths", lambda c, split: (None, d))  # the copy is the split's cache
+    monkeypatch.setattr(plan, "split_paths", lambda c, split: (None, d))  # the copy is the split's cache
     assert cli.verify(cfg, ["train"]) == 1
     line = json.loads(capsys.readouterr().out)
     assert line["num_corrupt"] == 1 and line["corrupt"] == [CacheDataset(d).sample_id(1)]
@@ -487,7 +488,7 @@ def test_online_features_equal_cache(bf16_cache, tiny_llama_dir):
 
 def test_input_changed_mid_build_is_refused(data_root, tiny_llama_dir, tmp_path):
     """Plans keep only offsets and lengths; a file edited under a running build must not be mixed in."""
-    from deepspec.data.cache.writer import load_plan_inputs, make_plan, materialize
+    from deepspec.data.cache.plan import load_plan_inputs, make_plan, materialize
     from deepspec.errors import DataError
 
     shutil.copytree(data_root / "data", tmp_path / "data")
@@ -547,7 +548,7 @@ def test_mhc_cache_stores_reduced_taps_and_records_them(data_root, mhc_dir, tmp_
         assert batch.taps.shape[-1] == item["taps"].shape[-1] and batch.final_hidden.shape[-1] == H
         # online mode computes the same reduced features as the cache holds
         from deepspec.data.cache.online import OnlineFeatures
-        from deepspec.data.cache.writer import Sample
+        from deepspec.data.cache.sample import Sample
 
         sample = Sample("s0", item["input_ids"].numpy().astype(np.int32), item["loss_mask"].numpy().astype(np.uint8), False)
         (online,) = OnlineFeatures(target.model, m["taps"], tap_reduction=reduction).features([sample])
@@ -574,7 +575,7 @@ def test_vllm_capture_refuses_concat_of_a_multi_stream_target():
     """vLLM hands back one H-wide state per layer: a concat cache of a multi-stream target is refused before vLLM starts."""
     from types import SimpleNamespace
 
-    from deepspec.data.cache.writer import make_featurizer
+    from deepspec.data.cache.featurizer import make_featurizer
 
     plan = SimpleNamespace(signature={"taps": [1, 2], "capture_backend": "vllm", "hc_mult": 4, "tap_reduction": "concat"})
     with pytest.raises(CacheError, match="capture_backend=hf"):

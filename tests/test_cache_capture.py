@@ -14,7 +14,8 @@ import torch
 
 from deepspec.config import config_from_dict
 from deepspec.data.cache import format as fmt
-from deepspec.data.cache import writer
+from deepspec.data.cache import featurizer, shards, writer
+from deepspec.data.cache.plan import plan_split
 
 WORDS = "the cat sat on a mat and then it ran far away to find some food".split()
 
@@ -51,7 +52,7 @@ def _host_path_featurizer(plan, cfg, device, model, session=None):
 
     model = load_target_from_config(cfg.target, device="cpu").model
     taps, reduction = plan.signature["taps"], plan.signature.get("tap_reduction", "mean")
-    return (lambda batch: writer.sample_features(model, batch, taps, reduction)), (lambda: None)
+    return (lambda batch: featurizer.sample_features(model, batch, taps, reduction)), (lambda: None)
 
 
 @pytest.mark.parametrize("dtype,target_dtype", [("bf16", "float32"), ("fp8", "float32"), ("fp32", "float32"), ("bf16", "bfloat16")])
@@ -60,7 +61,7 @@ def test_device_conversion_writes_the_host_paths_bytes(tmp_path, data_dir, tiny_
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     new = writer.build_cache(_cfg(tmp_path / "new", data_dir, tiny_llama_dir, dtype, target_dtype), "train")
     with monkeypatch.context() as m:
-        m.setattr(writer, "make_featurizer", _host_path_featurizer)
+        m.setattr(shards, "make_featurizer", _host_path_featurizer)
         old = writer.build_cache(_cfg(tmp_path / "old", data_dir, tiny_llama_dir, dtype, target_dtype), "train")
     a, b = _content(new), _content(old)
     assert len([n for n in a if n.endswith(".bin")]) >= 2  # several shards, several batches each
@@ -94,8 +95,8 @@ def test_a_failed_write_in_the_writer_thread_stops_the_build_and_keeps_no_partia
         writer.build_cache(cfg, "train")
     d = tmp_path / "c" / "train"
     assert not list(d.glob("*.tmp")) and not fmt.is_complete(d)
-    plan = writer.plan_split(cfg, "train")
-    done = [s for s in range(len(plan.shards)) if writer.shard_done(d, plan, s)]
+    plan = plan_split(cfg, "train")
+    done = [s for s in range(len(plan.shards)) if shards.shard_done(d, plan, s)]
     assert sorted(p.name for p in d.glob("shard_*.bin")) == [fmt.shard_name(s) for s in done]  # only whole shards kept
     assert sum(b - a for a, b in (plan.shards[s] for s in done)) < 3  # the third record failed
     monkeypatch.setattr(fmt, "encode_stored", real)

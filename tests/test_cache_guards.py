@@ -79,7 +79,8 @@ def test_build_over_free_disk_stops_and_fp8_is_not_offered_twice(tmp_path, tiny_
 
 
 def test_build_under_the_limit_proceeds(tmp_path, tiny_llama_dir, monkeypatch, one_torch_thread):
-    from deepspec.data.cache.writer import build_cache, estimate, plan_split
+    from deepspec.data.cache.plan import estimate, plan_split
+    from deepspec.data.cache.writer import build_cache
 
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     cfg = make_cfg(tmp_path, tiny_llama_dir)
@@ -90,7 +91,7 @@ def test_build_under_the_limit_proceeds(tmp_path, tiny_llama_dir, monkeypatch, o
 
 
 def test_resumed_build_counts_only_what_is_left(tmp_path, tiny_llama_dir):
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
 
     cfg = make_cfg(tmp_path, tiny_llama_dir)
     plan = plan_split(cfg, "train")

@@ -84,7 +84,7 @@ def test_online_features_stay_on_the_target_device_in_its_dtype(fp32_cache, tiny
     """No host conversion: features come back in the target's dtype (bf16 here), on its device, never via .cpu() or
     a float32 widening; their values are the ones the host path rounds from the same forward."""
     from deepspec.data.cache.online import OnlineFeatures
-    from deepspec.data.cache.writer import sample_features
+    from deepspec.data.cache.featurizer import sample_features
 
     cfg, ds = fp32_cache
     model = _target(tiny_llama_dir, torch.bfloat16)

@@ -35,7 +35,7 @@ def _fields(plan) -> tuple:
 
 
 def test_a_plan_is_tokenized_once_and_loaded_as_made(tmp_path, tiny_llama_dir, logs):
-    from deepspec.data.cache.writer import load_plan_inputs, make_plan
+    from deepspec.data.cache.plan import load_plan_inputs, make_plan
 
     cfg = _config(tmp_path, tiny_llama_dir)
     tok, tconf = load_plan_inputs(cfg)
@@ -61,7 +61,7 @@ def test_a_plan_is_tokenized_once_and_loaded_as_made(tmp_path, tiny_llama_dir, l
 CHILD = """
 import sys
 from deepspec.config import load_config
-from deepspec.data.cache.writer import plan_split
+from deepspec.data.cache.plan import plan_split
 from deepspec.log import setup_logging
 setup_logging()
 cfg = load_config(None, [f"target.name={sys.argv[1]}", f"data.dir={sys.argv[2]}", "cache.max_length=96"])
@@ -77,7 +77,7 @@ def test_processes_started_together_tokenize_once(tmp_path, tiny_llama_dir):
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
 
     assert {o for o, _ in outs} == {f"SAMPLES {len(plan_split(cfg, 'train').samples)}\n"}
     loaded = [e for _, e in outs if "loaded from" in e]

@@ -51,7 +51,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_executed(tmp_path):
 
 def test_malformed_jsonl_lines_are_one_sentence_with_file_and_line(tmp_path, tiny_llama_dir):
     from deepspec.config import load_config
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
     from deepspec.data.jsonl import write_jsonl_atomic
     from deepspec.data.regenerate import load_jobs, regenerate
     from deepspec.errors import DataError

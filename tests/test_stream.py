@@ -87,7 +87,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _plan(cfg):
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
     from deepspec.data.batches import BatchPlan
 
     plan = plan_split(cfg, "train")
@@ -520,7 +520,7 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     from deepspec.data.cache import spool as sp
     from deepspec.data.cache.channel import FileChannel
     from deepspec.data.cache.stream import Producer
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
     from deepspec.errors import CacheError
 
     spool = tmp_path / "spool"
@@ -550,7 +550,7 @@ def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_p
     from deepspec.data.cache import spool as sp
     from deepspec.data.cache.channel import FileChannel
     from deepspec.data.cache.stream import Producer
-    from deepspec.data.cache.writer import plan_split
+    from deepspec.data.cache.plan import plan_split
     from deepspec.data.batches import BatchPlan
 
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
@@ -633,7 +633,8 @@ def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_
     from deepspec.data.cache.format import record_item
     from deepspec.data.cache.reader import CacheDataset
     from deepspec.data.cache.stream import Producer
-    from deepspec.data.cache.writer import build_cache, plan_split
+    from deepspec.data.cache.plan import plan_split
+    from deepspec.data.cache.writer import build_cache
 
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     (tmp_path / "data").mkdir()

@@ -135,7 +135,7 @@ def test_the_cache_and_the_draft_resolve_taps_by_one_rule():
     from types import SimpleNamespace
 
     from deepspec.config.model import ModelConfig
-    from deepspec.data.cache.writer import resolve_taps as cache_taps
+    from deepspec.data.cache.plan import resolve_taps as cache_taps
     from deepspec.drafts.registry import get_algorithm
     from deepspec.targets.taps import resolve_taps
 

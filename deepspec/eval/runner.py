@@ -560,7 +560,7 @@ def _regenerate_kwargs(path: Path) -> dict[str, Any] | None:
 
 def _same_data(path: Path, data_hash: str) -> bool:
     """Whether `path` is the data file the checkpoint's cache was built from (its provenance data_hash)."""
-    from deepspec.data.cache.writer import file_hash
+    from deepspec.data.cache.plan import file_hash
 
     try:
         return file_hash(path) == data_hash

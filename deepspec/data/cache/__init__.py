@@ -1,4 +1,4 @@
-"""The target hidden-state cache: writer (plan/capture/finalize), reader, sampler, online mode.
+"""The target hidden-state cache: plan, featurizer and shards driven by the writer; reader, sampler, online mode.
 
 Import the pieces from their modules (they import torch lazily); this package only names them.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "build_cache": "writer", "build_caches": "writer", "plan_split": "writer", "estimate": "writer", "resolve_taps": "writer",
+    "build_cache": "writer", "build_caches": "writer", "plan_split": "plan", "estimate": "plan", "resolve_taps": "plan",
     "is_complete": "format", "load_manifest": "format", "check_manifest": "format",
     "CacheDataset": "reader", "collate": "reader", "open_cache": "reader", "expected_provenance": "reader",
     "ResumableBatchSampler": "sampler",

@@ -37,7 +37,8 @@ def splits_to_build(cfg, which: str = "all") -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deepspec.data.cache.writer import build_caches, estimate, plan_split, split_paths
+    from deepspec.data.cache.plan import estimate, plan_split, split_paths
+    from deepspec.data.cache.writer import build_caches
 
     if (args.verify or args.audit) and (Path(args.config) / "manifest.json").is_file():
         directory = Path(args.config)
@@ -60,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
 def verify(cfg, splits: list[str]) -> int:
     """Print one JSON line per split ({split, dir, samples, corrupt, ok, shards, damaged_shards, verdict}) and the verdict
     sentence on stderr; 1 when any shard is damaged."""
-    from deepspec.data.cache.writer import split_paths
+    from deepspec.data.cache.plan import split_paths
 
     return verify_dirs([(split, split_paths(cfg, split)[1]) for split in splits])
 

@@ -32,7 +32,7 @@ def _gb(n: float) -> str:
 
 def remaining_bytes(directory: Path, plan) -> int:
     """Bytes still to write: a resumed build counts only the shards that are not complete yet."""
-    from deepspec.data.cache.writer import shard_done
+    from deepspec.data.cache.shards import shard_done
 
     return sum(plan.shard_bytes(s) for s in range(len(plan.shards)) if not shard_done(directory, plan, s))
 
@@ -40,7 +40,7 @@ def remaining_bytes(directory: Path, plan) -> int:
 def check_size(directory: Path, plan, cfg) -> int:
     """Log the build's estimate; raise CacheError when what is left to write exceeds the free disk of the cache folder
     or `cache.max_gb`. Returns the bytes still to write."""
-    from deepspec.data.cache.writer import estimate
+    from deepspec.data.cache.plan import estimate
 
     est = estimate(plan)
     todo = remaining_bytes(directory, plan)

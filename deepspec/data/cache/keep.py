@@ -47,7 +47,8 @@ def restore(spool: Path, index: int) -> int:
 def write_cache(cfg, plan, spool: Path, target_config) -> Path:
     """Every kept record, in the plan's shards and order, as the offline train cache; returns its folder."""
     from deepspec.config import save_config
-    from deepspec.data.cache.writer import check_resumable_plan, commit_shard, count_loss_tokens, finalize, shard_done, target_identity
+    from deepspec.data.cache.plan import check_resumable_plan, count_loss_tokens
+    from deepspec.data.cache.shards import commit_shard, finalize, shard_done, target_identity
 
     directory = Path(cfg.cache_train_dir)
     if fmt.is_complete(directory):

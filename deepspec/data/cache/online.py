@@ -23,7 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deepspec.data.cache.writer import Sample, read_conversations, resolve_taps, sample_features
+from deepspec.data.cache.featurizer import sample_features
+from deepspec.data.cache.plan import read_conversations, resolve_taps
+from deepspec.data.cache.sample import Sample
 from deepspec.data.chat import render_conversation
 
 
@@ -98,7 +100,7 @@ class OnlineFeatures:
         """Per-sample dicts shaped exactly like CacheDataset items."""
         import torch
 
-        from deepspec.data.cache.writer import length_batches
+        from deepspec.data.cache.featurizer import length_batches
 
         out = []
         groups = length_batches(list(samples), self.max_batch_tokens) if self.max_batch_tokens else [list(samples)]
@@ -143,7 +145,7 @@ class OnlineFeatures:
         cache's collate pads); ids and masks on the host (page-locked with `pin`), as the trainer counts them there."""
         import torch
 
-        from deepspec.data.cache.writer import length_batches, device_features
+        from deepspec.data.cache.featurizer import device_features, length_batches
         from deepspec.drafts.base import DraftBatch
 
         samples = list(samples)

@@ -67,7 +67,7 @@ def _save(path: Path, samples: list, counts: dict[str, int], token_counts: np.nd
 
 
 def _load(path: Path) -> Tokenized:
-    from deepspec.data.cache.writer import Sample
+    from deepspec.data.cache.sample import Sample
 
     with np.load(path, allow_pickle=False) as z:
         ids = json.loads(z["ids"].tobytes())

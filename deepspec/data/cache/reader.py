@@ -184,7 +184,7 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_mul
 def expected_provenance(cfg, target=None) -> dict[str, Any]:
     """What a training run expects of its cache: from its config and the target (the loaded one, or
     its tokenizer + HF config, which are cheap to read)."""
-    from deepspec.data.cache.writer import load_plan_inputs, resolve_taps, tap_rows
+    from deepspec.data.cache.plan import load_plan_inputs, resolve_taps, tap_rows
     from deepspec.targets import template_hash
 
     exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision,

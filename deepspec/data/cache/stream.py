@@ -22,7 +22,9 @@ from typing import Any
 from deepspec.data.batches import BatchPlan, total_steps
 from deepspec.data.cache import spool as sp
 from deepspec.data.cache.channel import FileChannel, open_channel
-from deepspec.data.cache.writer import Sample, length_batches, make_featurizer, load_plan_inputs, encode_sample, make_plan, materialize
+from deepspec.data.cache.featurizer import encode_sample, length_batches, make_featurizer
+from deepspec.data.cache.plan import load_plan_inputs, make_plan, materialize
+from deepspec.data.cache.sample import Sample
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 
@@ -332,7 +334,7 @@ def open_stream_datasets(cfg, info, start_step: int):
 
     import torch.distributed as dist
 
-    from deepspec.data.cache.writer import tap_rows
+    from deepspec.data.cache.plan import tap_rows
 
     tokenizer, tconf = load_plan_inputs(cfg)
     plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
