@@ -23,6 +23,11 @@ Prints one JSON line per row as soon as the row is done (and appends it to `--js
 whole result as one JSON object on the last line. A row is one (algorithm, seq_len):
   tokens_per_s       non-padding tokens per second of training, ours, over the timed steps: every optimizer step but the
                      first (start-up) and the profiled one; `step_s` lists their times
+  steady_tokens_per_s  the median timed step's rate (`steady_mfu` likewise): a one-off cost inside one timed step (a
+                     compiled region meeting a new kind of input: the first step without metrics, a new attention
+                     shape) moves the mean, not this; what a long run settles at
+  length_spread      with --length-spread MIN: sample lengths uniform in [MIN, seq_len] (FLOPs per token counted on the
+                     first sample, so MFU is approximate there)
   peak_memory_mb     peak allocated GPU memory (torch.cuda.max_memory_allocated) / peak RSS of the training process on CPU
   padding_fraction   padded positions / all positions of the timed steps' micro-batches
   mfu                GPU only: the model's bf16 FLOPs x tokens/s / the GPU's dense bf16 peak. FLOPs are counted on one
@@ -55,6 +60,7 @@ import os
 import random
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,17 +136,21 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
     return path
 
 
-def make_samples(n: int, seq_len: int, n_taps: int, hidden: int, vocab: int, seed: int) -> list[dict]:
-    """Random token ids (the first quarter unsupervised: a prompt) and random tap / final features (bf16, as cached)."""
+def make_samples(n: int, seq_len: int, n_taps: int, hidden: int, vocab: int, seed: int,
+                 min_len: int | None = None) -> list[dict]:
+    """Random token ids (the first quarter unsupervised: a prompt) and random tap / final features (bf16, as cached).
+    min_len: each sample's length drawn uniformly from [min_len, seq_len] (users' data: many context lengths, so many
+    attention shapes), else every sample is seq_len long."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, vocab, (seq_len,), generator=g)
-        mask = torch.zeros(seq_len, dtype=torch.bool)
-        mask[seq_len // 4 :] = True
-        feats = torch.randn(seq_len, n_taps + 1, hidden, generator=g).to(torch.bfloat16)
+        length = seq_len if min_len is None else int(torch.randint(min_len, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[length // 4 :] = True
+        feats = torch.randn(length, n_taps + 1, hidden, generator=g).to(torch.bfloat16)
         out.append({"input_ids": ids, "loss_mask": mask, "taps": feats[:, :n_taps], "final_hidden": feats[:, n_taps]})
     return out
 
@@ -314,6 +324,10 @@ def _our_row(spec: dict) -> dict:
         real = sum(per_step[s][0] for s in timed)
         padded = sum(per_step[s][1] for s in timed)
         out["tokens_per_s"] = round(real / sum(seconds), 1) if timed else None
+        # the median timed step's rate: a one-off cost in one timed step (a compiled region meeting its second kind of
+        # input, e.g. the first step without metrics) moves the mean, not this; a long run sees this rate
+        steady = statistics.median(per_step[s][0] / d for s, d in zip(timed, seconds)) if timed else None
+        out["steady_tokens_per_s"] = round(steady, 1) if steady else None
         out["padding_fraction"] = round(1 - real / padded, 4) if padded else None
         out["measured_steps"] = len(timed)
         out["step_s"] = [round(x, 3) for x in seconds]
@@ -325,9 +339,10 @@ def _our_row(spec: dict) -> dict:
         if info.device.type == "cuda":
             out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)
             out["mfu"] = _mfu(out.get("flops_per_token"), real / sum(seconds), cfg, info.device) if timed else None
+            out["steady_mfu"] = _mfu(out.get("flops_per_token"), steady, cfg, info.device) if timed else None
         else:
             out["peak_memory_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-            out["mfu"] = None
+            out["mfu"] = out["steady_mfu"] = None
         if profiled is not None:
             out["profiled_step"] = profiled
             out["profile"] = clock.summary
@@ -706,6 +721,9 @@ def main() -> int:
     p.add_argument("--from-cache", action="store_true",
                    help="train from an on-disk cache through the trainer's data path (reader + loader), not from memory")
     p.add_argument("--cache-samples", type=int, default=16, help="samples in the on-disk cache (--from-cache)")
+    p.add_argument("--length-spread", type=int, default=None, metavar="MIN_LEN",
+                   help="sample lengths drawn uniformly from [MIN_LEN, seq_len] (seeded) instead of all seq_len: the "
+                        "attention shapes of users' data; rows then say length_spread")
     p.add_argument("--smoke", action="store_true", help="the tiny shape, 3 steps, sequences of 64 tokens unless given")
     p.add_argument("--extra-opts", nargs="*", default=[], help="more --opts for our trainer (e.g. train.compile=true)")
     p.add_argument("--_row", default=None, help=argparse.SUPPRESS)
@@ -736,6 +754,8 @@ def main() -> int:
     for name in ("steps", "accum", "micro_batch", "distinct_samples", "cache_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.length_spread is not None and not 1 <= args.length_spread <= min(args.seq_len):
+        p.error(f"--length-spread {args.length_spread} must be between 1 and the shortest --seq-len ({min(args.seq_len)})")
     if args.steps < 2:
         p.error("--steps must be at least 2: the first step (start-up) is left out of tokens/s")
     global_batch = args.accum * args.micro_batch
@@ -787,7 +807,8 @@ def main() -> int:
             needed = args.steps * global_batch
             n_samples = args.cache_samples if args.from_cache else min(needed, args.distinct_samples)
             samples_path = work / f"samples-{algorithm}-{seq_len}.pt"
-            samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len)
+            samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len,
+                                   min_len=args.length_spread)
             torch.save(samples, samples_path)
             recipe = str(REPO / "config" / algorithm / f"{recipe_target}.yaml")
             opts = [
@@ -809,7 +830,8 @@ def main() -> int:
             elif args.shape == "tiny":  # the recipe's mask token is a Qwen3 id outside the tiny vocabulary
                 opts += [f"model.mask_token_id={tconf.vocab_size - 1}", "model.num_anchors=8"]
             opts += args.extra_opts
-            row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "reader": result["reader"], "tokens_per_s": None,
+            row = {"algorithm": algorithm, "shape": args.shape, "seq_len": seq_len, "length_spread": args.length_spread,
+                   "reader": result["reader"], "tokens_per_s": None,
                    "peak_memory_mb": None, "padding_fraction": None, "mfu": None, "peer_tokens_per_s": None}
             spec = {"recipe": recipe, "opts": opts, "samples": str(samples_path), "target": str(target), "shape": args.shape,
                     "count_flops": args.smoke, "length": needed, "seq_len": seq_len, "reader": result["reader"],

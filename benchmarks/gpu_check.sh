@@ -18,6 +18,8 @@
 #   flex       DFlash as in `ours` with train.attention=flex (one FlexAttention call per layer; CUDA only: --smoke skips it)
 #   eager      DFlash and DSpark as in `ours` with train.compile=false: what compiling the draft layers gains (CUDA only:
 #              on a CPU `ours` is already eager, so --smoke skips it)
+#   mixed-sdpa DFlash on samples of 512 to 4,096 tokens (16 distinct lengths: users' data, many attention shapes), SDPA
+#   mixed-flex the same with train.attention=flex (one compiled kernel per context bucket; CUDA only: --smoke skips it)
 # --rows runs only the rows named (comma-separated, e.g. --rows ours,flex to rerun two); the others write a "skipped"
 # line, so rows.jsonl still lists every row in order.
 # Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
@@ -31,7 +33,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
-ALL_ROWS="env tests ours cache peer v4-memory long flex eager"
+ALL_ROWS="env tests ours cache peer v4-memory long flex eager mixed-sdpa mixed-flex"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
@@ -76,13 +78,15 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN=(--smoke --accum 2); LONG=(--smoke --seq-len 512); ROW_S=150
   TESTS=(--collect-only -q)  # on a CPU the CUDA tests would only skip: collect them (the selection must exist)
   V4=(--smoke)
-  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0
+  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
+  MIXED=(--smoke --accum 2 --steps 3 --length-spread 24 --distinct-samples 6)
 else
   BUDGET="${BUDGET:-515}"  # + the last row's kill grace (10 s) and the summary: under 9 minutes
-  TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 4); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
+  TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
   TESTS=(-q)
   V4=()
-  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130; L_EAGER=150
+  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130; L_EAGER=150; L_MIXED=200
+  MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
 fi
 START=$SECONDS
 
@@ -153,6 +157,15 @@ if [ "$SMOKE" = 1 ]; then
 else
   row eager "$L_EAGER" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
     --extra-opts train.compile=false --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+fi
+
+row mixed-sdpa "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
+  --extra-opts train.attention=sdpa --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+if [ "$SMOKE" = 1 ]; then
+  skip mixed-flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
+else
+  row mixed-flex "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
+    --extra-opts train.attention=flex --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 fi
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'

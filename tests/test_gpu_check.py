@@ -283,21 +283,24 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager",
-                            "summary"]
+                            "mixed-sdpa", "mixed-flex", "summary"]
     assert rows[-1]["row"] == "summary"
-    for name in ("env", "tests", "ours", "cache", "v4-memory", "long"):
+    for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
     assert status["peer"]["status"] in ("ok", "skipped")
-    assert status["flex"]["status"] == "skipped" and status["eager"]["status"] == "skipped"
+    assert all(status[name]["status"] == "skipped" for name in ("flex", "eager", "mixed-flex"))
     assert rows[0]["row"] == "env" and "torch" in rows[0]
     assert "collected" in (out / "tests.txt").read_text()
-    by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in rows if r.get("benchmark") == "train"}
+    train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
+    by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None}
     for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
         r = by[key]
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["accum"] == 2 and r["measured_steps"] == 1
         assert r["profiled_step"] == 1 and r["profile"]["aten_ops"] > 0 and r["profile"]["step_wall_ms"] > 0
         assert f"profile_{key[0]}_{key[1]}_{key[2]}.txt" in files
+    mixed = [r for r in train if r.get("length_spread") == 24]
+    assert len(mixed) == 1 and "error" not in mixed[0] and mixed[0]["steady_tokens_per_s"] > 0, mixed
     long = by[("eagle3", "memory", 512)]
     assert long["tokens_per_s"] > 0 and long["activation_checkpointing"] and "profile" not in long
     memory = next(r for r in rows if r.get("benchmark") == "draft_memory")
@@ -315,7 +318,8 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager", "summary"]
+    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager", "mixed-sdpa",
+                            "mixed-flex", "summary"]
     assert status["env"]["status"] == "ok"
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
