@@ -156,6 +156,26 @@ def test_flex_block_attention_equals_the_dense_reference(window):
         flex_block_attention(*(x.requires_grad_() for x in tensors), *meta, window, bounds)
 
 
+def test_flex_on_cuda_compiles_every_bucket_a_run_can_meet():
+    """Each context bucket (x windowed layers x validation's no-grad) is its own compiled FlexAttention kernel; past
+    Dynamo's recompile limit a new one would silently run the unfused reference (every score materialised). Setting
+    the CUDA kernels up raises the limit above every shape samples of up to 32,768 tokens can need."""
+    from deepspec.drafts import flex
+    from deepspec.drafts.plan import bucket
+
+    config = torch._dynamo.config
+    saved = config.recompile_limit, config.accumulated_recompile_limit
+    flex._kernels.cache_clear()
+    try:
+        config.recompile_limit = 8
+        flex._kernels("cuda")
+        shapes = len({bucket(n) for n in range(1, 32_769)}) * 2 * 2  # buckets x (windowed or not) x (grad or not)
+        assert shapes == 76 and config.recompile_limit >= shapes and config.accumulated_recompile_limit >= 2 * shapes
+    finally:
+        config.recompile_limit, config.accumulated_recompile_limit = saved
+        flex._kernels.cache_clear()
+
+
 @pytest.mark.cuda(reason="FlexAttention's compiled kernel and its backward")
 @pytest.mark.parametrize("window", [None, 5])
 def test_flex_block_attention_on_cuda_equals_the_dense_reference_with_gradients(window):

@@ -23,12 +23,23 @@ from deepspec.drafts.attention import BlockBounds, pad_context
 from deepspec.errors import ConfigError
 
 
+# Compiled FlexAttention kernels a run may need: one per (context bucket, window, grad mode). The bucket ladder
+# (deepspec/drafts/plan.py `bucket`) has two lengths per doubling, so samples of 64 to 32,768 tokens meet up to 19
+# buckets, twice over for windowed layers and again for validation. Past Dynamo's recompile limit (8 by default) a
+# new shape would run FlexAttention's unfused reference, which materialises every score: slower by orders of
+# magnitude and, at long contexts, out of memory. So the limit is raised to cover every shape a run can meet.
+FLEX_RECOMPILE_LIMIT = 128
+
+
 @lru_cache(maxsize=None)
 def _kernels(device_type: str):
     """(flex_attention, create_block_mask): compiled on CUDA (the fused kernel), PyTorch's reference elsewhere."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if device_type == "cuda":
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * FLEX_RECOMPILE_LIMIT)
         return torch.compile(flex_attention, dynamic=False), create_block_mask
     return flex_attention, create_block_mask
 

@@ -29,7 +29,8 @@ only the feature dimension (and the head count) stays static, which is what the 
 compiles once per kind of input it meets — dtype, grad mode, whether the input requires grad, its memory layout, the
 feature width (EAGLE-3's first layer reads 2H) — not per length: a training run compiles each region for training and
 again for validation (no grad). Dimensions of size 1 are still specialised by Dynamo (a batch of one sample, then one
-of two, compiles twice). Past torch's limit of graphs per function (`torch._dynamo.config.recompile_limit`, 8) a new
+of two, compiles twice). Past torch's limit of graphs per function (`torch._dynamo.config.recompile_limit`: 8, or 128
+once `train.attention=flex` has run on CUDA, deepspec/drafts/flex.py) a new
 kind of input runs that region eagerly, with a warning from torch.
 """
 
