@@ -187,6 +187,25 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_loses_none(recipe):
 
 
 @pytest.mark.slow
+def test_muon_sharded_across_two_workers_trains_exactly_as_every_rank_doing_all_of_it(recipe):
+    """train.sh with 2 DDP workers and Muon: with train.muon_shard each rank orthogonalises half the matrices and
+    broadcasts them (deepspec/train/muon_shard.py); the checkpoints — weights and Muon's momentum — equal those of the
+    same run with every rank doing all of it, bit for bit."""
+    runs = {}
+    for shard in ("true", "false"):
+        opts = (f"run.name=muon-shard-{shard}", "train.optimizer=muon", "train.max_steps=4", "train.save_every=4",
+                f"train.muon_shard={shard}")
+        rc, err = _finish(_train_sh(recipe, 2, *opts))
+        assert rc == 0, err[-3000:]
+        runs[shard] = _cfg(recipe, *opts).run_dir / "step_4"
+    a, b = _weights(runs["true"]), _weights(runs["false"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    moments_a, moments_b = _optimizer_state(runs["true"]), _optimizer_state(runs["false"])
+    assert any(k.endswith("momentum_buffer") for k in moments_a)
+    assert moments_a.keys() == moments_b.keys() and all(torch.equal(moments_a[k], moments_b[k]) for k in moments_a)
+
+
+@pytest.mark.slow
 def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(recipe):
     """Slurm's --signal may reach one process only: the flag is all-reduced, so both ranks checkpoint the same step."""
     from deepspec.train.checkpoint import latest_step_dir, load_trainer_state

@@ -20,6 +20,9 @@ class TrainConfig:
     # "muon_lr 0.02, lr 6e-4"); null = `lr` for both, Muon's update RMS-matched to AdamW's.
     muon_lr: float | None = None
     muon_momentum: float = 0.95
+    # Under DDP with several ranks, each rank orthogonalises its share of Muon's matrices and broadcasts the results
+    # (deepspec/train/muon_shard.py): the same updates, 1/world of the Newton–Schulz work per rank. Not under FSDP.
+    muon_shard: bool = True
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8

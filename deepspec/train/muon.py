@@ -4,13 +4,16 @@ Same update rule, defaults and state layout as `torch.optim.Muon` (Nesterov mome
 Newton–Schulz coefficients, `adjust_lr_fn`), so the recipes tuned with it train the same. The one
 difference: torch always iterates in bf16, which a CPU without AVX512-BF16 / AMX emulates — on a
 2-core AVX2 EPYC one quickstart step took 22 s, nearly all of it in Newton–Schulz. Here the iteration
-runs in bf16 where the hardware computes it (GPU, CPUs with native bf16) and in fp32 elsewhere.
+runs in bf16 where the hardware computes it (GPU, CPUs with native bf16) and in fp32 elsewhere. With
+`shard=True` under DDP the Newton–Schulz work is split across the ranks (deepspec/train/muon_shard.py).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from deepspec.train.muon_shard import Broadcasts, assign_owners, shard_group_for
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic iteration of Keller Jordan's Muon
 NS_STEPS = 5
@@ -56,7 +59,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS, ns_steps: int = NS_STEPS,
-                 adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None):
+                 adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None, shard: bool = False):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"Muon needs lr, momentum and weight_decay >= 0, got {lr}, {momentum}, {weight_decay}.")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -69,6 +72,8 @@ class Muon(torch.optim.Optimizer):
         # a property of the machine, not of the run: kept out of param_groups so a resumed optimizer
         # state from another machine does not carry it over
         self.ns_dtype = ns_dtype
+        # split the Newton–Schulz work across data-parallel ranks (deepspec/train/muon_shard.py); same updates
+        self.shard = shard
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,18 +82,35 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             lr, momentum = float(group["lr"]), group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            dtype = self.ns_dtype or default_ns_dtype(params[0].device)
+
+            def orthogonal(p: Tensor) -> Tensor:
+                buf = self.state[p]["momentum_buffer"]
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+
+            def apply(p: Tensor, update: Tensor) -> None:
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                dtype = self.ns_dtype or default_ns_dtype(p.device)
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+            shard = shard_group_for(params) if self.shard else None
+            if shard is None:
+                for p in params:
+                    apply(p, orthogonal(p))
+                continue
+            rank, world = shard
+            owners = assign_owners([p.shape for p in params], world)
+            sends = Broadcasts(rank, apply)
+            for p, owner in zip(params, owners):
+                sends.add(p, owner, orthogonal(p) if owner == rank else None, dtype)
+            sends.flush()
         return loss

@@ -130,6 +130,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             Muon(
                 matrices, lr=cfg.muon_lr if explicit else cfg.lr, weight_decay=cfg.weight_decay,
                 momentum=cfg.muon_momentum, adjust_lr_fn="original" if explicit else "match_rms_adamw",
+                shard=cfg.muon_shard,
             )
         )
     adam_groups = [g for g in adam_groups if g["params"]]
