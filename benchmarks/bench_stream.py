@@ -151,7 +151,7 @@ def _transport(transport: str, root: Path):
 def _streamed(recipe: Path, opts: list[str], env: dict, args, off: dict) -> dict:
     """One streamed run: the trainer here (core 0), one producer on core 1."""
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
     from deepspec.train import train
 
     cfg = load_config(recipe, opts)

@@ -19,7 +19,7 @@ STAGES: list[tuple[tuple[str, ...], str, str]] = [
     (("data", "prompts"), "deepspec.data.prompts_cli", "collect prompts into conversations.jsonl + a held-out split"),
     (("data", "regenerate"), "deepspec.data.regenerate_cli", "have the target re-answer the prompts (vLLM / OpenAI servers / HF)"),
     (("data", "cache"), "deepspec.data.cache.cli", "cache the target's hidden states for offline training"),
-    (("data", "stream"), "deepspec.data.cache.stream_cli", "feed a streamed run (cache.mode=stream): the target's hidden states through a bounded spool"),
+    (("data", "stream"), "deepspec.data.stream.cli", "feed a streamed run (cache.mode=stream): the target's hidden states through a bounded spool"),
     (("train",), "deepspec.train.cli", "train a draft model (one process; use scripts/train/train.sh for many workers)"),
     (("eval",), "deepspec.eval.cli", "speculative decoding on benchmarks: tau, per-depth acceptance, speedup"),
     (("export",), "deepspec.export.cli", "write a draft checkpoint that vLLM / SGLang serve unchanged"),

@@ -132,7 +132,7 @@ def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference, t
 
     from deepspec.config import load_config
     from deepspec.data.cache.reader import CacheDataset
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
     from deepspec.train import train
 
     offline = load_config(recipe)
@@ -203,7 +203,7 @@ def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(rec
     invented), a new producer picks up where the trainer is, and training ends with each sample read exactly once per
     epoch and the offline run's losses."""
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
 
     opts = _opts("kill-producer", 0)
     cfg = load_config(recipe, opts)
@@ -241,7 +241,7 @@ def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recip
     rerun resumes at step 4, a new producer makes steps 4.. again, and the ledgers, the lines written before the crash
     included, count every sample exactly once per epoch: what was read after the checkpoint is not counted twice."""
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
 
     opts = _opts("kill-trainer", 1)
     cfg = load_config(recipe, opts)
@@ -275,7 +275,7 @@ def test_sigterm_while_waiting_for_a_paused_producer_checkpoints_the_last_step_a
     line), not after cache.stream_timeout_s or the launcher's grace. The producer continues (SIGCONT), the same command
     resumes: the final weights are the uninterrupted run's, and the ledgers count every sample once per epoch."""
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
 
     opts = _opts("sigterm-wait", 0)
     cfg = load_config(recipe, opts)
@@ -321,8 +321,8 @@ _WAITING_RANK = """
 import os, sys
 from types import SimpleNamespace as NS
 import torch, torch.distributed as dist
-from deepspec.data.cache import spool as sp
-from deepspec.data.cache.channel import FileChannel
+from deepspec.data.stream import spool as sp
+from deepspec.data.stream.channel import FileChannel
 from deepspec.data.batches import Prefetcher
 from deepspec.preemption import PreemptionWatch, WaitPreempted
 rank, spool = int(os.environ["RANK"]), sys.argv[1]
@@ -345,8 +345,8 @@ def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool
     to rank 1 alone ends its wait, and rank 0, which would otherwise enter the step's all-reduce and wait there for
     rank 1 for good, learns it from the vote after its fetch: both stop, at the same micro-batch, in seconds."""
     from deepspec.data.cache import format as fmt
-    from deepspec.data.cache import spool as sp
-    from deepspec.data.cache.channel import FileChannel
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
 
     data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
     sp.write_record(FileChannel(tmp_path), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
@@ -381,7 +381,7 @@ def mooncake_store(tmp_path_factory) -> list[str]:
     that needs it; the --opts that point a recipe at it."""
     import socket
 
-    from deepspec.data.cache.channel import import_mooncake
+    from deepspec.data.stream.channel import import_mooncake
     from deepspec.errors import CacheError
 
     try:
@@ -420,7 +420,7 @@ def test_a_mooncake_spool_trains_like_the_offline_cache_and_survives_a_killed_pr
     import threading
 
     from deepspec.config import load_config
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
     from deepspec.train import train
 
     opts = [*_opts("mooncake", 0), *mooncake_store]
@@ -473,7 +473,7 @@ def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, m
 
     from deepspec.config import load_config
     from deepspec.data.cache.format import is_complete
-    from deepspec.data.cache.stream import spool_dir
+    from deepspec.data.stream.spool import spool_dir
     from deepspec.drafts.checkpoint import load_draft
     from deepspec.pipeline import run
 
@@ -517,9 +517,9 @@ def test_a_producer_refuses_another_plan_and_a_cap_smaller_than_a_sample(recipe,
     """Boundary errors are sentences: a producer started with other --opts than the trainer (other taps) names the field;
     a spool share that cannot hold one sample names the sizes and cache.spool_gb."""
     from deepspec.config import load_config
-    from deepspec.data.cache import spool as sp
-    from deepspec.data.cache.channel import FileChannel
-    from deepspec.data.cache.stream import Producer
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
+    from deepspec.data.stream.producer import Producer
     from deepspec.data.cache.plan import plan_split
     from deepspec.errors import CacheError
 
@@ -547,9 +547,9 @@ def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_p
     import threading
 
     from deepspec.config import load_config
-    from deepspec.data.cache import spool as sp
-    from deepspec.data.cache.channel import FileChannel
-    from deepspec.data.cache.stream import Producer
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
+    from deepspec.data.stream.producer import Producer
     from deepspec.data.cache.plan import plan_split
     from deepspec.data.batches import BatchPlan
 
@@ -582,8 +582,8 @@ def test_a_producer_fills_the_first_steps_before_the_trainer_reads(recipe, tmp_p
 def test_a_read_record_evicted_before_its_move_is_kept_from_the_bytes_read(tmp_path):
     """With cache.spool_keep, once a reader has published its next position a producer may evict the record it just read
     (it is no longer wanted) before the reader moves it to kept/: the kept copy is then written from the bytes read."""
-    from deepspec.data.cache.keep import kept_path
-    from deepspec.data.cache.spool import consume
+    from deepspec.data.stream.keep import kept_path
+    from deepspec.data.stream.spool import consume
 
     path = tmp_path / "3.rec"
     path.write_bytes(b"record bytes")
@@ -602,15 +602,15 @@ def test_a_full_disk_under_the_spool_is_one_sentence_and_leaves_no_partial_recor
 import resource, signal
 resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from pathlib import Path
-from deepspec.data.cache import spool as sp
-from deepspec.data.cache.channel import FileChannel
+from deepspec.data.stream import spool as sp
+from deepspec.data.stream.channel import FileChannel
 sp.write_record(FileChannel({str(tmp_path)!r}), 0, "small", b"x" * 1000, length=1, n_layers=1, hidden=1, dtype="bf16", truncated=False, producer=0)
 sp.write_record(FileChannel({str(tmp_path)!r}), 1, "big", b"x" * 100000, length=1, n_layers=1, hidden=1, dtype="bf16", truncated=False, producer=0)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.returncode != 0 and "DiskFullError: No room to write the streamed record" in out.stderr, out.stderr[-2000:]
     assert "lower cache.spool_gb" in out.stderr
-    from deepspec.data.cache import spool as sp
+    from deepspec.data.stream import spool as sp
 
     assert sp.record_path(tmp_path, 0).is_file() and not sp.record_path(tmp_path, 1).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [sp.record_path(tmp_path, 0).name]  # no temporary left
@@ -628,11 +628,11 @@ def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_
     import torch
 
     from deepspec.config import config_from_dict
-    from deepspec.data.cache import spool as sp
-    from deepspec.data.cache.channel import FileChannel
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
     from deepspec.data.cache.format import record_item
     from deepspec.data.cache.reader import CacheDataset
-    from deepspec.data.cache.stream import Producer
+    from deepspec.data.stream.producer import Producer
     from deepspec.data.cache.plan import plan_split
     from deepspec.data.cache.writer import build_cache
 

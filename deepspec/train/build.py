@@ -82,7 +82,7 @@ def build_parts(cfg, info):
         embed, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     else:
         if cfg.cache.mode == "stream":
-            from deepspec.data.cache.stream import open_stream_datasets
+            from deepspec.data.stream.trainer import open_stream_datasets
             from deepspec.train.checkpoint import resume_step
 
             train_data, val_data = open_stream_datasets(cfg, info, resume_step(cfg))

@@ -1,4 +1,5 @@
 """The target hidden-state cache: plan, featurizer and shards driven by the writer; reader, sampler, online mode.
+Streamed training's spool and producers, built on this format, live in deepspec/data/stream/.
 
 Import the pieces from their modules (they import torch lazily); this package only names them.
 """

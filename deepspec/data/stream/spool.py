@@ -46,7 +46,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from deepspec.data.cache import format as fmt
-from deepspec.data.cache.channel import FileChannel
+from deepspec.data.stream.channel import FileChannel
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 from deepspec import preemption
@@ -57,8 +57,13 @@ MAGIC = b"DSSPOOL1"
 PLAN = "plan.json"
 DONE = "done"
 SUFFIX = ".rec"
-KEPT = "kept"  # cache.spool_keep: read records move here (deepspec/data/cache/keep.py writes the cache from them)
+KEPT = "kept"  # cache.spool_keep: read records move here (deepspec/data/stream/keep.py writes the cache from them)
 _HEADER_ROOM = 512  # the JSON header is padded to this many bytes, so records start aligned
+
+
+def spool_dir(cfg) -> Path:
+    """cache.spool_dir, else <cache.dir>/spool/<run name>: one spool per run."""
+    return Path(cfg.cache.spool_dir) if cfg.cache.spool_dir else cfg.cache_dir / "spool" / cfg.run_name
 
 
 def record_name(index: int) -> str:
@@ -211,7 +216,7 @@ class SpoolDataset:
                  local: str | Path, timeout_s: float = 1800.0, poll_s: float = 0.05, keep: bool = False):
         self.channel = channel
         self.local = Path(local)  # this rank's own folder: its ledger
-        self.keep = keep  # move read records to kept/ (deepspec/data/cache/keep.py) instead of deleting them
+        self.keep = keep  # move read records to kept/ (deepspec/data/stream/keep.py) instead of deleting them
         self.global_batch = global_batch
         self.plan = plan
         self.rank, self.world = rank, world

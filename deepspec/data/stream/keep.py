@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from deepspec.data.cache import format as fmt
-from deepspec.data.cache import spool as sp
+from deepspec.data.stream import spool as sp
 from deepspec.diskfull import room_for
 from deepspec.errors import CacheError
 from deepspec.log import get_logger

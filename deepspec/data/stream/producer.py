@@ -1,5 +1,5 @@
 """Producers of streamed training: run the target (HF or vLLM's extract_hidden_states, as a cache build does) on the
-samples the trainer will read next, and write them into the spool (deepspec/data/cache/spool.py).
+samples the trainer will read next, and write them into the spool (deepspec/data/stream/spool.py).
 
 `deepspec data stream CONFIG --producer W --producers N` is one producer; N of them (one per GPU, or per node with
 the target's own tensor / expert parallelism) share the trainer's plan: producer W makes the samples at plan
@@ -19,21 +19,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepspec.data.batches import BatchPlan, total_steps
-from deepspec.data.cache import spool as sp
-from deepspec.data.cache.channel import FileChannel, open_channel
+from deepspec.data.batches import BatchPlan
 from deepspec.data.cache.featurizer import encode_sample, length_batches, make_featurizer
 from deepspec.data.cache.plan import load_plan_inputs, make_plan, materialize
 from deepspec.data.cache.sample import Sample
+from deepspec.data.stream import spool as sp
+from deepspec.data.stream.channel import FileChannel, open_channel
+from deepspec.data.stream.spool import spool_dir
 from deepspec.errors import CacheError
 from deepspec.log import get_logger
 
 log = get_logger(__name__)
-
-
-def spool_dir(cfg) -> Path:
-    """cache.spool_dir, else <cache.dir>/spool/<run name>: one spool per run."""
-    return Path(cfg.cache.spool_dir) if cfg.cache.spool_dir else cfg.cache_dir / "spool" / cfg.run_name
 
 
 class Producer:
@@ -204,7 +200,7 @@ class Producer:
         return out
 
     def _restore(self, index: int) -> bool:
-        from deepspec.data.cache.keep import restore
+        from deepspec.data.stream.keep import restore
 
         nb = restore(self.spool, index)
         if nb:
@@ -215,7 +211,7 @@ class Producer:
     def _complete_kept(self, plan, featurize, tokenizer, tconf) -> None:
         """After the trainer's last read: make this producer's share of the samples it never read straight into kept/,
         then (producer 0) write every kept record as the offline train cache once the others are done too."""
-        from deepspec.data.cache.keep import kept_path, write_cache
+        from deepspec.data.stream.keep import kept_path, write_cache
 
         kept = self.spool / sp.KEPT
         kept.mkdir(exist_ok=True)
@@ -323,65 +319,3 @@ def stop_local_producers(procs: list[subprocess.Popen], grace_s: float | None = 
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-def open_stream_datasets(cfg, info, start_step: int):
-    """cache.mode=stream: training samples come through the spool (rank 0 publishes the plan and starts the local
-    producers); validation reads the held-out offline cache when it was built (small: `deepspec data cache --split
-    heldout`, which `deepspec run` does), else training runs without validation. `start_step`: the step the trainer
-    resumes at (its newest intact checkpoint's, 0 for a new run), where the ranks start reading."""
-    import atexit
-
-    import torch.distributed as dist
-
-    from deepspec.data.cache.plan import tap_rows
-
-    tokenizer, tconf = load_plan_inputs(cfg)
-    plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
-    G = cfg.train.global_batch_size
-    total = total_steps(len(plan.samples), G, cfg.train.max_steps, cfg.train.epochs)
-    reader: list = []  # this rank's SpoolDataset, once made (the producers' stop at exit asks whether it finished)
-    spool = spool_dir(cfg)
-    spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
-    channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
-    if info.is_main:
-        for stale in (f"{sp.DONE}.", "pos."):
-            channel.delete_matching(stale)
-        doc = sp.plan_document(plan, seed=cfg.train.seed, global_batch=G, total_steps=total, bucketing=cfg.train.bucketing)
-        # where the ranks will start reading, so producers fill the first steps while the trainer still builds its model
-        sp.put_json(channel, sp.PLAN, {**doc, "world": info.world, "start_step": start_step})
-        if cfg.cache.stream_producers:
-            procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
-
-            def stop() -> None:
-                # with spool_keep they still write the offline cache after the last read: wait for them, however long;
-                # a trainer that failed before its last read leaves them nothing to finish
-                finished = bool(reader) and reader[0].done
-                stop_local_producers(procs, None if cfg.cache.spool_keep and finished else 30.0)
-
-            atexit.register(stop)
-        else:
-            log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
-                     "(the same recipe and --opts); spool %s", spool)
-    # what was read for steps after the checkpoint we resume from was never trained: it is read (and logged) again
-    dropped = sp.commit_ledgers(spool, start_step)
-    if dropped and info.is_main:
-        log.info("ledger: %d read(s) after the resumed checkpoint were never trained; they are read again", dropped)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    _, _, rows = tap_rows(cfg, tconf)
-    train = sp.SpoolDataset(channel, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
-                            local=spool, timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
-    reader.append(train)
-    atexit.register(train.linger)  # runs before stop() (registered earlier): the producers stop on their own first
-    val = None
-    from deepspec.data.cache.format import is_complete
-
-    if is_complete(cfg.cache_heldout_dir):
-        from deepspec.data.cache.reader import open_cache
-
-        val = open_cache(cfg.cache_heldout_dir, cfg=cfg)
-    else:
-        log.warning("no held-out cache at %s: training without validation (build it with `deepspec data cache CONFIG --split heldout`)",
-                    cfg.cache_heldout_dir)
-    return train, val

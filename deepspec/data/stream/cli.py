@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deepspec.data.cache.stream import Producer
+    from deepspec.data.stream.producer import Producer
 
     cfg = config_from_args(args)
     stats = Producer(cfg, args.producer, args.producers, device=args.device, parent_pid=args.parent_pid).run()
