@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eval results.json the model card reports (default: <checkpoint>/eval/results.json)")
     parser.add_argument("--calibration", default=None,
                         help="DSpark: a calibration.json (python -m deepspec.eval.calibration) whose global scaling is baked into the confidence head")
+    parser.add_argument("--contract-prompts", type=int, default=None, metavar="N",
+                        help="eval prompts per split stored in served_contract.json for `deepspec check --served` (default 16)")
     parser.add_argument("--skip-check", action="store_true",
                         help="do not run `deepspec check` before writing (logs a warning): the export is written even if it diverges from the draft")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the export folder to this model repository")
@@ -76,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             staged = export_draft(ckpt, stage_dir / out.name, args.fmt, target=args.target, dtype=args.dtype,
                                   num_speculative_tokens=args.num_speculative_tokens, eval_results=args.eval_results,
-                                  calibration=args.calibration)
+                                  calibration=args.calibration, contract_prompts=args.contract_prompts)
             _checked(staged, ckpt, args.fmt, args.skip_check)
             swap_in(staged, out)
         finally:

@@ -363,6 +363,7 @@ def export_draft(
     num_speculative_tokens: int | None = None,
     eval_results: str | Path | None = None,
     calibration: str | Path | None = None,
+    contract_prompts: int | None = None,
 ) -> Path:
     """Export a deepspec checkpoint folder to `out` (written atomically). Returns `out`.
 
@@ -370,7 +371,8 @@ def export_draft(
     config.json's `deepspec.num_speculative_tokens` and the model card; a DFlash draft refuses anything but
     block_size - 1). `eval_results`: the eval results.json the model card (README.md) reports (default:
     `<checkpoint>/eval/results.json`; absent = the card says "not measured"). `calibration`: a DSpark draft's
-    calibration.json (eval/calibration.py) whose global scaling is baked into the confidence head."""
+    calibration.json (eval/calibration.py) whose global scaling is baked into the confidence head. `contract_prompts`:
+    how many of each split's eval prompts the served-acceptance contract stores (export/contract.py)."""
     from deepspec.export.sglang import BUILDERS
     from deepspec.export.serve import served_tokens
 
@@ -431,17 +433,18 @@ def export_draft(
     from deepspec.locks import folder_lock
 
     with folder_lock(out, "export"):
-        _write_export(out, cfg, tensors, algo, engines, Path(checkpoint), eval_results)
+        _write_export(out, cfg, tensors, algo, engines, Path(checkpoint), eval_results, contract_prompts)
     return out
 
 
 def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], algo: str, engines: dict[str, str | None],
-                  checkpoint: Path, eval_results: str | Path | None) -> None:
+                  checkpoint: Path, eval_results: str | Path | None, contract_prompts: int | None = None) -> None:
     """Write the export into a hidden temporary folder and swap it in: `out` is always a whole export (the old one or
     the new one), also for a server loading it meanwhile."""
     from safetensors.torch import save_file
 
     from deepspec.export.card import model_card
+    from deepspec.export.contract import PROMPTS_PER_SPLIT, build_contract, contract_card, write_contract
     from deepspec.results import find_eval_results
 
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -457,6 +460,10 @@ def _write_export(out: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tenso
             card = model_card(cfg, Path(checkpoint), n_params, engines, find_eval_results(Path(checkpoint), eval_results), out.name)
             if "confidence_calibration" in cfg["deepspec"]:
                 card += calibration_card(cfg["deepspec"]["confidence_calibration"])
+            # what the draft was measured at, for `deepspec check EXPORT --served URL`
+            contract = build_contract(cfg, Path(checkpoint), eval_results, PROMPTS_PER_SPLIT if contract_prompts is None else contract_prompts)
+            write_contract(tmp, contract)
+            card += contract_card(contract)
             (tmp / "README.md").write_text(card)
             recipe = Path(checkpoint) / "config.yaml"
             if recipe.is_file():  # the fully resolved training recipe travels with the export
