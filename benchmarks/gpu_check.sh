@@ -20,6 +20,8 @@
 #              on a CPU `ours` is already eager, so --smoke skips it)
 #   mixed-sdpa DFlash on samples of 512 to 4,096 tokens (16 distinct lengths: users' data, many attention shapes), SDPA
 #   mixed-flex the same with train.attention=flex (one compiled kernel per context bucket; CUDA only: --smoke skips it)
+#   recipe-batch DFlash with FlexAttention at the Qwen3-8B recipes' batch per GPU: 16 micro-batches of 4 samples packed
+#              into rows of 8,192 tokens, so Muon's update is spread over 64 samples as in training (SDPA with --smoke)
 # --rows runs only the rows named (comma-separated, e.g. --rows ours,flex to rerun two); the others write a "skipped"
 # line, so rows.jsonl still lists every row in order.
 # Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
@@ -33,7 +35,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
-ALL_ROWS="env tests ours cache peer v4-memory long flex eager mixed-sdpa mixed-flex"
+ALL_ROWS="env tests ours cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
@@ -80,6 +82,7 @@ if [ "$SMOKE" = 1 ]; then
   V4=(--smoke)
   L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
   MIXED=(--smoke --accum 2 --steps 3 --length-spread 24 --distinct-samples 6)
+  RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); RECIPE_ATT=sdpa; L_RECIPE=150
 else
   BUDGET="${BUDGET:-515}"  # + the last row's kill grace (10 s) and the summary: under 9 minutes
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
@@ -87,6 +90,7 @@ else
   V4=()
   L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
+  RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); RECIPE_ATT=flex; L_RECIPE=200
 fi
 START=$SECONDS
 
@@ -167,6 +171,9 @@ else
   row mixed-flex "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
     --extra-opts train.attention=flex --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 fi
+
+row recipe-batch "$L_RECIPE" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
+  --extra-opts train.attention=$RECIPE_ATT --row-timeout "$L_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'
 import json, sys

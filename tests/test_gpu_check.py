@@ -283,16 +283,18 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager",
-                            "mixed-sdpa", "mixed-flex", "summary"]
+                            "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
     assert rows[-1]["row"] == "summary"
-    for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa"):
+    for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa", "recipe-batch"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
     assert status["peer"]["status"] in ("ok", "skipped")
     assert all(status[name]["status"] == "skipped" for name in ("flex", "eager", "mixed-flex"))
     assert rows[0]["row"] == "env" and "torch" in rows[0]
     assert "collected" in (out / "tests.txt").read_text()
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
-    by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None}
+    by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None and r.get("micro_batch") == 1}
+    packed = [r for r in train if r.get("micro_batch") == 2]
+    assert len(packed) == 1 and "error" not in packed[0] and packed[0]["accum"] == 2 and packed[0]["tokens_per_s"] > 0, packed
     for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
         r = by[key]
         assert "error" not in r, r
@@ -319,7 +321,7 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager", "mixed-sdpa",
-                            "mixed-flex", "summary"]
+                            "mixed-flex", "recipe-batch", "summary"]
     assert status["env"]["status"] == "ok"
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]

@@ -45,23 +45,26 @@ def _params(seed: int, shapes) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
 
 
-def _worker(rank: int, port: int, out: str, shapes: list, bucket_bytes: int) -> None:
-    import torch.distributed as dist
+CASES = {
+    "one-bucket": (SHAPES, 256 * 2**20),  # one bucket per step
+    "small-buckets": (SHAPES, 1024),  # a bucket every matrix or two: results applied while others are in flight
+    "rank-owning-nothing": ([(48, 24)], 256 * 2**20),  # one matrix: rank 1 owns nothing and only receives
+}
 
+
+def _run_case(rank: int, shapes: list, bucket_bytes: int) -> dict:
     from deepspec.train import muon_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    muon_shard.Broadcasts.__init__.__defaults__ = (bucket_bytes,)
+    calls = {"n": 0}
+    real = muon_mod.orthogonalize
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    muon_mod.orthogonalize = counted
     try:
-        muon_shard.Broadcasts.__init__.__defaults__ = (bucket_bytes,)
-        calls = {"n": 0}
-        real = muon_mod.orthogonalize
-
-        def counted(*a, **kw):
-            calls["n"] += 1
-            return real(*a, **kw)
-
-        muon_mod.orthogonalize = counted
         sharded, plain = _params(0, shapes), _params(0, shapes)  # the same start on both ranks, as DDP keeps it
         opts = [muon_mod.Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, shard=flag)
                 for ps, flag in ((sharded, True), (plain, False))]
@@ -75,24 +78,38 @@ def _worker(rank: int, port: int, out: str, shapes: list, bucket_bytes: int) -> 
                 calls["n"] = 0
                 opt.step()
                 counts.append(calls["n"])
-        torch.save({"sharded": [p.detach() for p in sharded], "plain": [p.detach() for p in plain],
-                    "bufs": [opts[0].state[p]["momentum_buffer"] for p in sharded],
-                    "plain_bufs": [opts[1].state[p]["momentum_buffer"] for p in plain],
-                    "counts": counts}, os.path.join(out, f"rank{rank}.pt"))
+        return {"sharded": [p.detach() for p in sharded], "plain": [p.detach() for p in plain],
+                "bufs": [opts[0].state[p]["momentum_buffer"] for p in sharded],
+                "plain_bufs": [opts[1].state[p]["momentum_buffer"] for p in plain], "counts": counts}
+    finally:
+        muon_mod.orthogonalize = real
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save({name: _run_case(rank, *case) for name, case in CASES.items()}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shapes, bucket_bytes", [
-    (SHAPES, 256 * 2**20),  # one bucket per step
-    (SHAPES, 1024),  # a bucket every matrix or two: results applied while others are in flight
-    ([(48, 24)], 256 * 2**20),  # one matrix: rank 1 owns nothing and only receives
-], ids=["one-bucket", "small-buckets", "rank-owning-nothing"])
-def test_sharded_muon_on_two_gloo_workers_equals_every_rank_computing_every_update(tmp_path, shapes, bucket_bytes):
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """Every case on one pair of gloo workers (spawning a pair costs more than the cases)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), shapes, bucket_bytes), nprocs=2, join=True)
-    rows = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    out = tmp_path_factory.mktemp("muon-shard")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_muon_on_two_gloo_workers_equals_every_rank_computing_every_update(two_workers, case):
+    shapes, _ = CASES[case]
+    rows = [ranks[case] for ranks in two_workers]
     owners = assign_owners([torch.Size(s) for s in shapes], 2)
     for rank, row in enumerate(rows):
         for a, b in zip(row["sharded"], row["plain"]):
