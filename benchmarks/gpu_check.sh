@@ -15,7 +15,8 @@
 #              by `bash benchmarks/peer_setup.sh --gpu-wheels`, or a .peer-venv; else skipped)
 #   v4-memory  one training step of config/dflash/deepseek-v4-flash.yaml at its real size: its measured peak memory
 #   long       one 32,768-token EAGLE-3 sample per step with activation checkpointing
-#   flex       DFlash as in `ours` with train.attention=flex (one FlexAttention call per layer; CUDA only: --smoke skips it)
+#   flex       DFlash and DSpark as in `ours` with train.attention=flex (one FlexAttention call per layer; CUDA only:
+#              --smoke skips it)
 #   eager      DFlash and DSpark as in `ours` with train.compile=false: what compiling the draft layers gains (CUDA only:
 #              on a CPU `ours` is already eager, so --smoke skips it)
 #   mixed-sdpa DFlash on samples of 512 to 4,096 tokens (16 distinct lengths: users' data, many attention shapes), SDPA
@@ -28,8 +29,8 @@
 # and a row that fails or hangs writes an error line while the next row runs. OUT_DIR receives, as each row finishes:
 #   rows.jsonl   the environment, every measured row, one status line per row (benchmark "gpu_check")
 #   log.txt      every row's stdout and stderr
-#   tests.txt    the tests' output
-#   profile_<algorithm>_<reader>_<seq_len>[_flex].txt   torch.profiler's table of each row's profiled step (5 files)
+#   log.txt      also the tests' output
+#   profile_<algorithm>_<reader>_<seq_len>[_flex].txt   torch.profiler's table of each row's profiled step (6 files)
 # --smoke runs the same rows on the CPU on a tiny shape (tests/test_gpu_check.py runs it).
 set -uo pipefail
 
@@ -88,7 +89,7 @@ else
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
   TESTS=(-q)
   V4=()
-  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=130; L_EAGER=150; L_MIXED=200
+  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=200; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
   RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); RECIPE_ATT=flex; L_RECIPE=200
 fi
@@ -117,7 +118,7 @@ EOF
 echo "[gpu_check] $( [ "$SMOKE" = 1 ] && echo "smoke, " )budget ${BUDGET} s, results in $OUT"
 row env "$L_ENV" -- "$PY" "$BENCH/bench_gpu.py" --row env --out "$ROWS"
 
-row tests "$L_TESTS" --log "$OUT/tests.txt" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
+row tests "$L_TESTS" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
   "$ROOT/tests/test_attention_kernels.py" "$ROOT/tests/test_cache_online.py" "$ROOT/tests/test_loader.py" \
   "$ROOT/tests/test_precision.py" "$ROOT/tests/test_staging.py" "$ROOT/tests/test_step_plan.py" \
   -k "cuda or fused or online or stager"
@@ -151,7 +152,7 @@ row long "$L_LONG" -- "$PY" "$BENCH/bench_train.py" "${LONG[@]}" --accum 1 --ste
 if [ "$SMOKE" = 1 ]; then
   skip flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
 else
-  row flex "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash --no-peer \
+  row flex "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
     --extra-opts train.attention=flex --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" \
     --profile-tag flex --jsonl "$ROWS"
 fi

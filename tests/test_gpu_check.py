@@ -279,7 +279,7 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
                           text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and {"rows.jsonl", "log.txt", "tests.txt"} <= set(files), files
+    assert len(files) <= 8 and {"rows.jsonl", "log.txt"} <= set(files), files
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager",
@@ -290,7 +290,7 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert status["peer"]["status"] in ("ok", "skipped")
     assert all(status[name]["status"] == "skipped" for name in ("flex", "eager", "mixed-flex"))
     assert rows[0]["row"] == "env" and "torch" in rows[0]
-    assert "collected" in (out / "tests.txt").read_text()
+    assert "collected" in (out / "log.txt").read_text()
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
     by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None and r.get("micro_batch") == 1}
     packed = [r for r in train if r.get("micro_batch") == 2]
