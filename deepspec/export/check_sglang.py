@@ -1,7 +1,8 @@
 """SGLang's side of `deepspec check`: an export pushed through SGLang's own draft classes on CPU, with SGLang's own
 attention backend (TorchNativeAttnBackend: its causal / encoder-only flags, prefix handling, GQA and windows).
 
-Run in a subprocess by export/check.py (SGLang's import chain and its torch.distributed init stay out of the caller):
+Run in a subprocess by export/check_sglang_runner.py (SGLang's import chain and its torch.distributed init stay
+out of the caller; the shared tables and layer hooks come from export/check_reference.py):
 
     python -m deepspec.export.check_sglang SIDE_DIR [JOB.json ...]   (JOB: {"export", "inputs", "out"};
                                                                        no jobs: serve job paths read from stdin)
@@ -24,6 +25,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from deepspec.export.check_reference import engine_layer_streams, target_tables
 
 
 class _Pool:
@@ -106,8 +109,6 @@ def _gather(states: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 def trace_eagle3(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     cfg, model = _build(export)
-    from deepspec.export.check import engine_layer_streams, target_tables
-
     ids, states = inp["input_ids"], inp["states"]
     embed, _ = target_tables(*inp["tables"].tolist())
     m = ids.numel() - 1
@@ -161,8 +162,6 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     cfg, model = _build(export)
-    from deepspec.export.check import engine_layer_streams, target_tables
-
     ids, states = inp["input_ids"], inp["states"]
     embed, head = target_tables(*inp["tables"].tolist())
     m = ids.numel() - 1

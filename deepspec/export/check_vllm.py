@@ -3,7 +3,8 @@ attention backend (its metadata builder, paged KV cache layout and kernels), bui
 engine builds it (EngineArgs -> VllmConfig, the class vLLM picks for the export's architecture, its load_weights and
 process_weights_after_loading), without an engine, a scheduler or target weights.
 
-Run in a subprocess by export/check.py (vLLM's import chain and its torch.distributed set-up stay out of the caller):
+Run in a subprocess by export/check_vllm_runner.py (vLLM's import chain and its torch.distributed set-up stay
+out of the caller; the shared tables and layer hooks come from export/check_reference.py):
 
     python -m deepspec.export.check_vllm JOB.json [JOB.json ...]      (JOB: {"export", "inputs", "out"})
 
@@ -30,6 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from deepspec.export.check_reference import engine_layer_streams, target_tables
 
 _DIST = {"ready": False}
 
@@ -185,8 +188,6 @@ def _layer_ids(vc, runner_v2: bool = False) -> list[int]:
 
 
 def trace_eagle3(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
-    from deepspec.export.check import engine_layer_streams, target_tables
-
     ids, states = inp["input_ids"], inp["states"]
     _, vc, model = _build(export, work, *target_tables(*inp["tables"].tolist()))
     m = ids.numel() - 1
@@ -232,8 +233,6 @@ def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
     the rows the proposer samples: DFlash's mask rows through compute_logits, DSpark's every row (sample_from_anchor)
     or its mask rows through compute_draft_logits and, left to right, the Markov bias of the token drafted before
     (greedy: argmax, mapped to target ids)."""
-    from deepspec.export.check import engine_layer_streams, target_tables
-
     ids, states = inp["input_ids"], inp["states"]
     cfg, vc, model = _build(export, work, *target_tables(*inp["tables"].tolist()))
     dspark = _method(cfg) == "dspark"
