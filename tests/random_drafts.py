@@ -15,6 +15,17 @@ from deepspec.drafts import get_algorithm
 from deepspec.drafts.checkpoint import save_draft
 from deepspec.targets import tiny_config
 
+# the prompts the served-draft tests train on and serve (vLLM conformance, served-acceptance contract): six short,
+# varied requests whose greedy answers a small draft learns in a few dozen steps
+SERVED_PROMPTS = [
+    "List the days of the week in order, one per line.",
+    "Write a Python function that returns the factorial of n.",
+    "Explain in three sentences why the sky is blue.",
+    "Count from one to twenty in words.",
+    "Give a short recipe for pancakes.",
+    "What are the planets of the solar system?",
+]
+
 
 def random_draft_checkpoint(out: Path, family: str, algorithm: str, head_dim: int | None = None, **fields):
     """(draft, checkpoint folder `out`) for tiny-`family`: target taps 0, 2, 3 and block size 4 unless `fields` say

@@ -22,20 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from random_drafts import edit_export
+from random_drafts import SERVED_PROMPTS, edit_export
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
 
-PROMPTS = [
-    "List the days of the week in order, one per line.",
-    "Write a Python function that returns the factorial of n.",
-    "Explain in three sentences why the sky is blue.",
-    "Count from one to twenty in words.",
-    "Give a short recipe for pancakes.",
-    "What are the planets of the solar system?",
-]
+PROMPTS = SERVED_PROMPTS
 ANSWER_TOKENS = 64
 S = 3  # EAGLE-3.1 speculative tokens; DFlash serves its block of 4 = 3 drafts too
 WINDOW = 32  # the sliding-window DFlash draft's window
