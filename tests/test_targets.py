@@ -238,3 +238,34 @@ def test_device_map_auto_loads_a_sharded_target(tmp_path):
     assert torch.allclose(feats, want, atol=1e-5)
     with pytest.raises(ConfigError, match="target.device_map"):
         config_from_dict({"target": {"device_map": "everywhere"}})
+
+
+def test_embedded_target_is_converted_once_when_processes_ask_at_the_same_time(tmp_path, monkeypatch):
+    """Ranks or test workers asking for the embedded folder at once: one converts, the others wait on the lock and
+    reuse its folder (none deletes a folder another is reading). flock conflicts between two open() calls, so two
+    threads stand in for two processes."""
+    import json
+    import threading
+    import time
+
+    import deepspec.targets.embedded as embedded
+
+    monkeypatch.setenv("DEEPSPEC_CACHE", str(tmp_path))
+    calls: list[str] = []
+
+    def slow_convert(name, src, out):
+        calls.append(name)
+        time.sleep(0.3)  # the others arrive while this conversion runs
+        out.mkdir(parents=True)
+        (out / "deepspec_target.json").write_text(json.dumps({"format_version": embedded._FORMAT_VERSION}))
+
+    monkeypatch.setattr(embedded, "_convert", slow_convert)
+    monkeypatch.setattr(embedded, "gguf_path", lambda name: tmp_path / "model.gguf")
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(embedded.embedded_target_dir())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["smollm2-135m-instruct"] and len(got) == 3 and len(set(got)) == 1
+    assert got[0] == tmp_path / "targets" / "smollm2-135m-instruct"

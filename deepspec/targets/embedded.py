@@ -4,11 +4,14 @@ The package ships a Q4_1 GGUF file. We convert it once into a plain Hugging Face
 (bf16 safetensors + tokenizer + chat template) under the deepspec cache dir, so that
 transformers *and* vLLM load it by path; later calls reuse the folder. The conversion is
 written to a temporary folder and renamed into place, so a crash never leaves a folder that
-looks complete.
+looks complete; processes that need it at once (torchrun ranks, parallel test workers) wait on one lock
+beside the folder and convert it once, so none deletes a folder another is reading.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -59,13 +62,31 @@ def embedded_target_dir(name: str = "smollm2-135m-instruct") -> Path:
     if name not in EMBEDDED_TARGETS:
         raise TargetError(f"'{name}' is not an embedded target; known: {', '.join(EMBEDDED_TARGETS)}.")
     out = cache_root() / "targets" / name
-    marker = out / "deepspec_target.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION:
+    if _converted(out):
         return out
     src = gguf_path(name)
-    log.info("converting %s to a Hugging Face folder at %s (once)", src.name, out)
-    _convert(name, src, out)
+    with _conversion_lock(out):
+        if not _converted(out):  # another process may have converted it while we waited
+            log.info("converting %s to a Hugging Face folder at %s (once)", src.name, out)
+            _convert(name, src, out)
     return out
+
+
+def _converted(out: Path) -> bool:
+    marker = out / "deepspec_target.json"
+    return marker.is_file() and json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION
+
+
+@contextlib.contextmanager
+def _conversion_lock(out: Path):
+    """A blocking flock on `.<name>.convert.lock` beside the folder (released by the kernel if the holder dies)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.convert.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _convert(name: str, src: Path, out: Path) -> None:
