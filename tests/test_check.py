@@ -183,3 +183,36 @@ def test_export_without_sglang_logs_the_skip_and_writes(tmp_path, monkeypatch, l
         assert (out / "model.safetensors").is_file()
     assert "SGLang's sources are not installed" in logs.text
     assert "export check skipped for vllm" in logs.text
+
+
+def test_the_confidence_tolerance_bounds_the_worst_input_difference_and_no_more():
+    """check_reference.confidence_tolerance: sigmoid(w . [h; e] + c) moves by at most 1/4 sum|w_h| max|dh| (+ fp32
+    rounding) when the final-norm rows h move by dh. The worst case, dh = d * sign(w_h) at z ~ 0, reaches the bound
+    within the (worst-case, n u) rounding term; a random dh stays under it; one weight of the head 5% off moves it by more than 10x the rounding term."""
+    from deepspec.export.check_reference import confidence_tolerance
+
+    g = torch.Generator().manual_seed(0)
+    hidden, rank = 64, 8
+    w = torch.randn(1, hidden + rank, generator=g) * 0.3
+    x = torch.randn(5, hidden + rank, generator=g)
+    c = -(x @ w.T)[0:1, 0]  # z = 0 on the first row: the sigmoid's steepest point
+    norm = torch.cat([torch.zeros(1, hidden), x[:, :hidden]])  # one anchor row before the drafted slots (first_slot = 1)
+    tol_fn = confidence_tolerance(w, c, x, hidden, first_slot=1)
+
+    def p(xx, ww=w):
+        return torch.sigmoid(xx.double() @ ww.double().T + c.double())[:, 0]
+
+    d = 1e-4
+    worst = x.clone()
+    worst[:, :hidden] += d * torch.sign(w[0, :hidden])
+    tol = tol_fn({"block.norm": norm}, {"block.norm": torch.cat([norm[:1], worst[:, :hidden]])})
+    moved = float((p(worst) - p(x)).abs().max())
+    same = tol_fn({"block.norm": norm}, {"block.norm": norm.clone()})  # identical rows: fp32 rounding alone
+    assert 0 < same < 1e-4 and moved <= tol <= 1.01 * moved + same, (moved, tol, same)
+    noisy = x.clone()
+    noisy[:, :hidden] += (torch.rand(5, hidden, generator=g) * 2 - 1) * d
+    assert float((p(noisy) - p(x)).abs().max()) <= tol_fn({"block.norm": norm}, {"block.norm": torch.cat([norm[:1], noisy[:, :hidden]])})
+    off = w.clone()
+    off[0, 3] *= 1.05
+    assert float((p(x, off) - p(x)).abs().max()) > 10 * same
+    assert tol_fn({"block.norm": norm}, {"block.norm": norm[:3]}) == 0.0  # rows of another shape: no bound, the stage fails

@@ -4,6 +4,9 @@ cause. The drafts use 32-wide attention heads (vLLM's CPU attention kernels take
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from random_drafts import edit_export, random_draft_checkpoint
@@ -33,6 +36,40 @@ def _scale_hidden_norm(t):
     t["hidden_norm.weight"] = t["hidden_norm.weight"] * 2
 
 
+BAKED = (0.4, -0.6)  # the calibration the calibrated DSpark export bakes (close to the quickstart's T = 1 fit)
+
+
+def _write_calibration(path, a: float, b: float):
+    """A calibration.json as `python -m deepspec.eval.calibration` writes it, with the global pair (a, b) to bake."""
+    import json
+
+    per = {"scaling": {"a": [a] * 3, "b": [b] * 3, "global_a": a, "global_b": b, "fallback": []},
+           "ece_raw": [0.1] * 3, "ece_global_only": [0.05] * 3, "ece_calibrated": [0.05] * 3}
+    path.write_text(json.dumps({"bins": 10, "temperatures": {"1": per}, "bake": {"temperature": 1.0, "a": a, "b": b}}))
+    return path
+
+
+def _declare_calibration(cfg):
+    """config.json says the calibration is baked, the weights hold the raw head (a writer that forgot to bake)."""
+    cfg["deepspec"]["confidence_calibration"] = {"baked": {"a": BAKED[0], "b": BAKED[1], "temperature": 1.0}}
+
+
+def _undeclare_calibration(cfg):
+    """The weights hold the calibrated head, config.json no longer says so (a baked head taken for a raw one)."""
+    del cfg["deepspec"]["confidence_calibration"]
+
+
+def _roll_confidence_head(t):
+    """The confidence head's input columns one off: every weight stays, each multiplies its neighbour's feature."""
+    t["confidence_head.proj.weight"] = t["confidence_head.proj.weight"].roll(1, 1)
+
+
+def _drop_confidence_head(t):
+    """No confidence weights: vLLM's load_weights drops the head and adaptive verification falls back to its estimator."""
+    for k in [k for k in t if k.startswith("confidence_head.")]:
+        t.pop(k)
+
+
 # case -> (good export it starts from, config edit, tensor edit, first divergent stage, words its likely cause must contain)
 BROKEN = {
     "aux ids + 1": ("eagle31", _aux_plus_one, None, "step1.taps", "eagle_aux_hidden_state_layer_ids"),
@@ -54,6 +91,13 @@ BROKEN = {
                                     "block.markov_logits", "markov"),
     "DSpark sample_from_anchor flipped": ("dspark", lambda c: c.__setitem__("sample_from_anchor", False), None, "block.input_ids",
                                           "sample_from_anchor"),
+    # DSpark's confidence head, what vLLM's adaptive verification ranks slots by: a calibration declared but not in the
+    # weights, one in the weights but no longer declared, the head's columns one off, the head's weights missing
+    "DSpark calibration declared, not baked": ("dspark", _declare_calibration, None, "block.confidence", "confidence_head"),
+    "DSpark calibration baked, not declared": ("dspark-calibrated", _undeclare_calibration, None, "block.confidence",
+                                               "confidence_head"),
+    "DSpark confidence head rolled": ("dspark-calibrated", None, _roll_confidence_head, "block.confidence", "confidence_head"),
+    "DSpark confidence head dropped": ("dspark", None, _drop_confidence_head, "block.confidence", "confidence_head"),
     # the window is honoured: twice as wide lets the block see context the draft was trained without
     "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
                          "block.layer0", "sliding_window"),
@@ -72,8 +116,8 @@ BROKEN = {
 def reports(tmp_path_factory):
     """EAGLE-3.1 (fc_norm, norm_output, draft vocabulary, two layers; bf16 export), plain EAGLE-3 (full vocabulary),
     DFlash (two layers, draft vocabulary; bf16), sliding-window DFlash (a window of one block, shorter than the
-    context), DSpark (two layers, draft vocabulary, Markov and confidence heads; bf16), and the broken copies, through
-    one vLLM process."""
+    context), DSpark (two layers, draft vocabulary, Markov and confidence heads; bf16), the same DSpark exported with a
+    calibration baked into its confidence head, and the broken copies, through one vLLM process."""
     from deepspec.export.check import check_exports
     from deepspec.export.writers import export_draft
 
@@ -93,12 +137,15 @@ def reports(tmp_path_factory):
     for case, (family, fields, dtype) in good.items():
         _, ckpt = random_draft_checkpoint(root / case / "ckpt", family, fields.pop("algorithm", "eagle3"), head_dim=32, **fields)
         exports[case] = export_draft(ckpt, root / case / "vllm", "vllm", dtype=dtype)
+    exports["dspark-calibrated"] = export_draft(Path(json.loads((exports["dspark"] / "config.json").read_text())["deepspec"]["source_checkpoint"]),
+                                                root / "dspark-calibrated", "vllm", dtype="bfloat16",
+                                                calibration=_write_calibration(root / "calibration.json", *BAKED))
     for case, (base, cfg_fn, t_fn, _, _) in BROKEN.items():
         exports[case] = edit_export(exports[base], root / case.replace(" ", "_"), cfg_fn, t_fn)
     return dict(zip(exports, check_exports(list(exports.values()), ("vllm",))))
 
 
-@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark", "dflash2"])
+@pytest.mark.parametrize("case", ["eagle31", "eagle3", "dflash", "dflash-sliding", "dspark", "dspark-calibrated", "dflash2"])
 def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, reports):
     rep = reports[case]
     ec = rep.engines[0]
@@ -106,12 +153,14 @@ def test_vllm_class_computes_what_our_draft_computes_at_every_stage(case, report
     assert ec.status == "pass" and not rep.diverged, rep.table()
     layers = 1 if case == "eagle3" else 2
     if case.startswith(("dflash", "dspark")):
-        cls = {"dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}.get(case, "DFlashQwen3ForCausalLM")
+        dspark = case.startswith("dspark")
+        cls = "Qwen3DSparkForCausalLM" if dspark else {"dflash2": "DFlash2Qwen3ForCausalLM"}.get(case, "DFlashQwen3ForCausalLM")
         assert ec.engine_class.endswith(cls)
         assert [r.stage for r in ec.rows] == ["block.taps", "block.fc", "block.context", "block.input_ids", "block.layer0",
                                               "block.layer1", "block.norm", "block.logits",
-                                              *(["block.markov_logits"] if case == "dspark" else []),
-                                              *(["block.candidate_scores"] if case == "dflash2" else []), "block.tokens"]
+                                              *(["block.markov_logits"] if dspark else []),
+                                              *(["block.candidate_scores"] if case == "dflash2" else []), "block.tokens",
+                                              *(["block.confidence"] if dspark else [])]
     else:
         assert [r.stage for r in ec.rows] == [
             "step1.taps", "step1.fc", *[f"step1.layer{i}" for i in range(layers)], "step1.norm", "step1.logits", "step1.tokens",
@@ -220,3 +269,16 @@ def test_check_that_cannot_run_vllm_is_not_checked_and_exits_3(reports, monkeypa
     assert "verdict: NOT CHECKED for vllm" in capsys.readouterr().out
     assert cli.main(["check", export, "--engine", "sglang"]) == 0  # laid out for vLLM: SGLang does not apply
     assert "NOT CHECKED" not in capsys.readouterr().out
+
+
+def test_vllm_confidence_is_the_exports_head_within_a_derived_tolerance(reports):
+    """The confidence stage compares vLLM's compute_confidence with sigmoid(a z + b) of our head's logit (a, b: the
+    declared calibration; none: the raw head) within the head's Lipschitz bound on block.norm's difference plus fp32
+    rounding: far tighter than what any of the broken heads moves."""
+    rows = {case: next(r for r in reports[case].engines[0].rows if r.stage == "block.confidence")
+            for case in ("dspark", "dspark-calibrated", "DSpark calibration declared, not baked", "DSpark confidence head rolled")}
+    for case in ("dspark", "dspark-calibrated"):
+        assert rows[case].ok and rows[case].max_abs_diff <= rows[case].tolerance < 1e-3, rows[case]
+    assert "sigmoid(0.4 z -0.6)" in rows["dspark-calibrated"].note and rows["dspark"].note == ""
+    for case in ("DSpark calibration declared, not baked", "DSpark confidence head rolled"):
+        assert rows[case].max_abs_diff > 20 * rows[case].tolerance, rows[case]

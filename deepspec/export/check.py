@@ -11,7 +11,15 @@ Both sides record every stage in the order the engine computes it:
   state, one query over the step-1 cache): its input token, each layer, norm, logits, token.
   DFlash / DSpark: taps -> fc -> context (hidden_norm) -> the block's input ids (anchor + mask token) -> each
   layer -> final norm -> logits of the sampled rows -> (DSpark) those logits plus each slot's Markov bias, left to
-  right -> tokens.
+  right -> tokens -> (DSpark with a confidence head, vLLM) each drafted slot's confidence.
+
+The confidence stage is what vLLM's adaptive verification ranks draft slots by: `Qwen3DSparkForCausalLM.
+compute_confidence` (sigmoid of the head over the slot's final-norm row and the Markov embedding of the token before
+it) from the export's weights, against sigmoid(a z + b) of our head's logit z, with the (a, b) the export declares baked
+(`deepspec export --calibration`; none: (1, 0)). Its tolerance is derived, not relative: the head's Lipschitz bound
+(1/4 of the summed |weight| over the hidden part) times the difference block.norm shows, plus the fp32 rounding of
+both sides' dot products (check_reference.confidence_tolerance). A head whose weights lost (or gained) the declared
+calibration, or a head the engine does not load, diverges there.
 
 The first stage whose maximum absolute difference exceeds its tolerance (token ids: any difference) is the
 divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm; next hidden: norm_output; ...)
@@ -42,7 +50,7 @@ from typing import Any
 
 import torch
 
-from deepspec.export.check_reference import Row, compare, our_side, trace_ours
+from deepspec.export.check_reference import Row, compare, declared_calibration, our_side, trace_ours
 from deepspec.export.check_sglang_runner import SGLANG_CLASSES, run_sglang
 from deepspec.export.check_vllm_runner import VLLM_CLASSES, VLLM_PYTHON_ENV, probe_vllm, run_vllm, vllm_runner, vllm_unchecked
 
@@ -64,6 +72,8 @@ CAUSES: list[tuple[str, str, tuple[str, ...]]] = [
     ("candidate_scores", "the candidate selector (candidate_selector.*, selector_rank / selector_top_k)", ("candidate_selector", "selector_")),
     ("tokens", "vocabulary map d2t (draft ids map to other target ids)", ("d2t", "t2d", "draft_vocab_size")),
     ("next_hidden", "norm_output (which hidden state the next chain step reads)", ("norm_output",)),
+    ("confidence", "the confidence head (confidence_head.proj, confidence_head_with_markov, enable_confidence_head) or the "
+     "calibration baked into it (deepspec.confidence_calibration)", ("confidence_head", "confidence_calibration")),
 ]
 
 
@@ -152,8 +162,9 @@ def _export_config(export: Path) -> dict[str, Any]:
     return cfg
 
 
-def expected_export(checkpoint: Path, fmt: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The config and weights `deepspec export` writes for this checkpoint (in memory, without files)."""
+def expected_export(checkpoint: Path, fmt: str, calibration: tuple[float, float] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and weights `deepspec export` writes for this checkpoint (in memory, without files); `calibration`:
+    the (a, b) baked into a DSpark confidence head, as `--calibration` does."""
     from deepspec.drafts.checkpoint import load_draft, read_draft_config
     from deepspec.export import writers
     from deepspec.export.sglang import BUILDERS
@@ -163,6 +174,8 @@ def expected_export(checkpoint: Path, fmt: str) -> tuple[dict[str, Any], dict[st
     algo = meta["algorithm"]
     cfg, weights = {"eagle3": lambda: writers._eagle3(draft, meta), "dflash": lambda: writers._dflash(draft, meta),
                     "dspark": lambda: writers._dspark(draft, meta, None), "dflash2": lambda: writers._dflash2(draft, meta)}[algo]()
+    if calibration is not None and "confidence_head.proj.weight" in weights:
+        weights = writers.bake_confidence(weights, *calibration)
     if fmt == "sglang":
         cfg, weights = BUILDERS[algo](cfg, weights, draft, meta)
     return cfg, weights
@@ -173,7 +186,7 @@ def config_diffs(export: Path, cfg: dict[str, Any], checkpoint: Path) -> list[st
     from safetensors.torch import load_file
 
     try:
-        want_cfg, want_w = expected_export(checkpoint, cfg["deepspec"].get("format", "vllm"))
+        want_cfg, want_w = expected_export(checkpoint, cfg["deepspec"].get("format", "vllm"), declared_calibration(cfg))
     except Exception as e:  # noqa: BLE001 - the tensor comparison stands without this explanation
         return [f"(the expected export could not be rebuilt: {e})"]
     out = []
@@ -274,7 +287,8 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
                 draft, inputs = our_side(ckpt, cfg, ds)
                 ec = EngineCheck("vllm", "pass", engine_class=VLLM_CLASSES[algo], ran=runner[1])
                 report.engines.append(ec)
-                pending_vllm.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
+                conf = (declared_calibration(cfg) or (1.0, 0.0)) if algo == "dspark" else None
+                pending_vllm.append((report, ec, trace_ours(draft, inputs, conf), inputs, cfg, export, ckpt))
             elif algo not in SGLANG_CLASSES:
                 report.engines.append(_skip(engine, f"no {engine} check for {algo} (EAGLE-3 / 3.1, DFlash and DSpark are covered)."))
             elif find_side_dir() is None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 REL_TOL = 1e-4  # fp32 on both sides with identical weights: observed differences are ~1e-6 of the scale
+FP32_EPS = 2.0 ** -24  # unit roundoff of fp32
 
 
 @dataclass
@@ -25,6 +26,46 @@ class Row:
     tolerance: float
     ok: bool
     note: str = ""
+
+
+class Trace(dict):
+    """A side's stages in the order the engine computes them ({stage: tensor}); on our side also, for a stage whose
+    tolerance is derived rather than relative to its scale, a function (ours, engine's) -> tolerance, and a note."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tolerances: dict[str, Callable[[dict, dict], float]] = {}
+        self.notes: dict[str, str] = {}
+
+
+def declared_calibration(cfg: dict[str, Any]) -> tuple[float, float] | None:
+    """The (a, b) an export says it baked into its confidence head (`deepspec export --calibration`), else None."""
+    baked = (cfg.get("deepspec", {}).get("confidence_calibration") or {}).get("baked")
+    return (float(baked["a"]), float(baked["b"])) if baked else None
+
+
+def confidence_tolerance(w: torch.Tensor, c: torch.Tensor, x: torch.Tensor, hidden: int, first_slot: int):
+    """The tolerance of the confidence stage, sigmoid(w . x + c) per drafted slot, by arithmetic rather than by scale.
+
+    x = [h; e]: h the final-norm rows the head reads (the engine's may differ from ours by what block.norm shows), e
+    the Markov embeddings of the previous tokens (rows of the same weights picked by the same token ids: exact). So
+    |dp| <= 1/4 |dz| (sigmoid' <= 1/4) with |dz| <= sum_i |w_i| |dh_i| + the fp32 rounding of both sides' dot products
+    of n terms and of the baked weight a*W (each <= n u sum_i |w_i x_i| + u |c|, u = 2^-24), plus the rounding of
+    each side's p to fp32. w, c: the head as the export holds it (calibration baked in)."""
+    w64, c64, x64 = w.double().flatten(), float(c.double().flatten()[0]), x.double()
+    n = w64.numel()
+    gamma = n * FP32_EPS / (1 - n * FP32_EPS)
+    lip = float(w64[:hidden].abs().sum())
+    rounding = (2 * gamma + FP32_EPS) * ((x64 * w64).abs().sum(-1) + abs(c64))
+
+    def tol(ours: dict, theirs: dict) -> float:
+        a, b = ours["block.norm"], theirs.get("block.norm")
+        if b is None or b.shape != a.shape:  # the head's input already differs in shape: nothing to bound by
+            return 0.0
+        dh = (a[first_slot:].double() - b[first_slot:].double()).abs().amax(-1)[: x.shape[0]]
+        return float((0.25 * (lip * dh + rounding)).max()) + 2 * FP32_EPS
+
+    return tol
 
 
 # --- inputs and our side --------------------------------------------------------------------------
@@ -80,15 +121,17 @@ def engine_layer_streams(layers, out: list) -> list:
     return [layer.register_forward_hook(lambda mod, a, r: out.append(r[0] + r[1])) for layer in layers]
 
 
-def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our draft's stages, through its own decoding proposer (the code our evaluator runs)."""
+def trace_ours(draft, inp: dict[str, torch.Tensor], confidence: tuple[float, float] | None = None) -> Trace:
+    """Our draft's stages, through its own decoding proposer (the code our evaluator runs). `confidence`: for a DSpark
+    draft with a confidence head, also trace the head as the engine computes it (sigmoid of the head, every drafted
+    slot, after the tokens), scaled by the (a, b) the export declares baked (`declared_calibration`; (1, 0) for none)."""
     with torch.no_grad():
         embed, head = target_tables(*inp["tables"].tolist())
         draft.target_embed.copy_(embed)
         draft.target_lm_head.copy_(head)
         taps = our_taps(draft, inp["states"])
         ids = inp["input_ids"]
-        out: dict[str, torch.Tensor] = {}
+        out = Trace()
         fc_out: list = []
         streams: list = []
         hooks = [draft.fc.register_forward_hook(lambda m, a, r: fc_out.append(r[0]))]
@@ -132,11 +175,16 @@ def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             biases: list = []  # DSpark: the Markov bias of each drafted slot, left to right
             if draft.algorithm == "dspark":
                 hooks.append(draft.markov_head.markov_w2.register_forward_hook(lambda m, a, r: biases.append(r[0])))
+            threshold = getattr(draft.model_cfg, "confidence_threshold", 0.0)
+            if draft.algorithm == "dspark":  # the engines do not read it: every slot is drafted
+                draft.model_cfg.confidence_threshold = 0.0
             try:
                 toks, _ = draft.proposer().propose(ids, taps, 0, draft.num_predictions, temperature=0.0)
             finally:
                 for h in hooks:
                     h.remove()
+                if draft.algorithm == "dspark":
+                    draft.model_cfg.confidence_threshold = threshold
             block_ids = torch.full((draft.block_size,), draft.mask_token_id, dtype=torch.long)
             block_ids[0] = ids[-1]
             out["block.taps"] = taps.flatten(-2)
@@ -152,9 +200,28 @@ def trace_ours(draft, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if draft.algorithm == "dflash2":  # each slot's candidate scores given the token drafted before it
                 out["block.candidate_scores"] = torch.stack(draft.last_scores)
             out["block.tokens"] = toks
+            if confidence is not None and getattr(draft, "confidence_head", None) is not None:
+                _trace_confidence(draft, out, ids, toks, norm_out[0], confidence)
         for h in hooks:
             h.remove()
     return out
+
+
+def _trace_confidence(draft, out: Trace, ids, toks, normed, calibration: tuple[float, float]) -> None:
+    """block.confidence: sigmoid(a z + b) of our head's logit z at every drafted slot (its input: the slot's final-norm
+    row and the Markov embedding of the token before it, the anchor first), computed in float64 from our fp32 logits;
+    and its tolerance, from the head as the export would hold it (W' = a W, c' = a c + b)."""
+    a, b = calibration
+    z = torch.tensor(draft.last_confidence_logits, dtype=torch.float64)
+    out["block.confidence"] = torch.sigmoid(a * z + b).float()
+    head = draft.confidence_head
+    prev = torch.cat([ids[-1:], toks[:-1].to(ids.dtype)])[: z.numel()]
+    rows = normed[draft.first_slot :][: z.numel()].float()
+    x = torch.cat([rows, draft.markov_head.markov_w1(prev).float()], -1) if head.with_markov else rows
+    w, c = head.proj.weight.double() * a, head.proj.bias.double() * a + b
+    out.tolerances["block.confidence"] = confidence_tolerance(w, c, x, rows.shape[-1], draft.first_slot)
+    if (a, b) != (1.0, 0.0):
+        out.notes["block.confidence"] = f"with the baked calibration sigmoid({a:.4g} z {b:+.4g}) the export declares"
 
 
 def our_side(ckpt: Path, cfg: dict[str, Any], ds: dict[str, Any]):
@@ -187,6 +254,7 @@ def compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> l
             rows.append(Row(stage, float(bad), 0.0, bad == 0, note))
             continue
         diff = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
-        tol = REL_TOL * max(1.0, float(a.abs().max()) if a.numel() else 1.0)
-        rows.append(Row(stage, diff, tol, diff <= tol and diff == diff))
+        derived = getattr(ours, "tolerances", {}).get(stage)
+        tol = derived(ours, theirs) if derived else REL_TOL * max(1.0, float(a.abs().max()) if a.numel() else 1.0)
+        rows.append(Row(stage, diff, tol, diff <= tol and diff == diff, getattr(ours, "notes", {}).get(stage, "")))
     return rows

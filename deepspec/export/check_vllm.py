@@ -232,7 +232,9 @@ def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
     token ...] at the positions after the prompt, with the causal flag the export states, over context + block; then
     the rows the proposer samples: DFlash's mask rows through compute_logits, DSpark's every row (sample_from_anchor)
     or its mask rows through compute_draft_logits and, left to right, the Markov bias of the token drafted before
-    (greedy: argmax, mapped to target ids)."""
+    (greedy: argmax, mapped to target ids), then, where the class loaded a confidence head, compute_confidence over
+    those rows and the Markov embeddings of the tokens before each slot (the anchor first), as the speculator feeds
+    adaptive verification."""
     ids, states = inp["input_ids"], inp["states"]
     cfg, vc, model = _build(export, work, *target_tables(*inp["tables"].tolist()))
     dspark = _method(cfg) == "dspark"
@@ -286,14 +288,17 @@ def trace_block(export: Path, inp: dict, work: Path) -> dict[str, torch.Tensor]:
             return out
         base = model.compute_draft_logits(rows)
         out["block.logits"] = base
-        prev, steps, toks = block_ids[:1], [], []
+        prev, steps, toks, embeds = block_ids[:1], [], [], []
         for i in range(spec):  # DSparkSpeculator._sample_sequential, greedy
-            logits_i = base[i : i + 1] + model.markov_bias(model.markov_embed(prev))
+            embeds.append(model.markov_embed(prev))
+            logits_i = base[i : i + 1] + model.markov_bias(embeds[-1])
             steps.append(logits_i[0])
             prev = model.map_draft_to_target(logits_i.argmax(-1))
             toks.append(prev[0])
         out["block.markov_logits"] = torch.stack(steps)
         out["block.tokens"] = torch.stack(toks)
+        if model.model.confidence_head is not None:  # what adaptive verification ranks (its load drops a head without weights)
+            out["block.confidence"] = model.compute_confidence(rows[:spec], torch.stack(embeds, dim=1).flatten(0, 1))
     return out
 
 
