@@ -4,11 +4,13 @@
     python benchmarks/bench_calibration.py --checkpoint CKPT [--tasks heldout gsm8k] [--max-samples 8]
     python benchmarks/bench_calibration.py --recipe config/quickstart/dspark.yaml [--opts train.max_steps=100 ...]
     python benchmarks/bench_calibration.py --smoke     # a tiny Qwen3 target, a DSpark trained 4 steps: seconds
+    python benchmarks/bench_calibration.py --checkpoint CKPT --rounds CKPT/eval/calibration_rounds.jsonl   # refit only
 
 The checkpoint's own evaluator decodes the prompts at T = 0 and T = 1 (deepspec/eval/calibration.py), recording each
 round's confidence logits and accepted drafts. Per temperature the JSON has per-position ECE (equal-mass bins) on the
-evaluation split before and after a per-position temperature scaling fitted on a disjoint split, the global pair an
-export can bake, and the admission replay: vLLM's slot admission (global top-k of survival probabilities under a
+evaluation split before and after the scaling fitted on a disjoint split (the raw head, one global pair or per-position
+pairs shrunk towards it, chosen by cross-validation over the fit split's answers), the global pair an export can bake,
+and the admission replay: vLLM's slot admission (global top-k of survival probabilities under a
 draft budget) with raw, calibrated, global-only and oracle scores, as accepted drafts per verified slot.
 """
 
@@ -51,14 +53,16 @@ def smoke_checkpoint(root: Path) -> tuple[Path, list[str]]:
 def summary(report: dict, checkpoint: Path, mode: str) -> dict:
     """The figures a reader compares: ECE per position before / after, the fitted pairs, the replay table."""
     out = {"smoke": mode == "smoke", "mode": mode, "checkpoint": str(checkpoint), "bins": report["bins"], "binning": report["binning"],
-           "label": report["label"], "split": report["split"], "bake": report["bake"], "temperatures": {}}
+           "label": report["label"], "split": report["split"], "selection": report["selection"], "bake": report["bake"],
+           "temperatures": {}}
     for t, v in report["temperatures"].items():
         out["temperatures"][t] = {
             "rounds": v["rounds"], "pairs_per_position_eval": v["pairs_per_position"]["eval"],
             "acceptance_observed": v["acceptance_observed"], "mean_confidence_raw": v["mean_confidence_raw"],
             "ece_raw": v["ece_raw"], "ece_calibrated": v["ece_calibrated"], "ece_global_only": v["ece_global_only"],
             "ece_all_positions": v["ece_all_positions"],
-            "scaling": {k: v["scaling"][k] for k in ("a", "b", "global_a", "global_b", "fallback")},
+            "scaling": {k: v["scaling"][k] for k in ("a", "b", "global_a", "global_b", "fallback", "method", "shrinkage",
+                                                      "global_fit", "cv_nll", "cv_answers")},
             "admission_replay": v["admission_replay"],
         }
     return out
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bins", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8, help="concurrent requests per replayed engine step")
     p.add_argument("--budgets", default="1,2,3,4", help="draft slots per request the replayed steps may verify")
+    p.add_argument("--rounds", default=None, help="with --checkpoint: refit from the calibration_rounds.jsonl a run wrote, without decoding")
     p.add_argument("--out", default=None, help="also write the JSON here (calibration.json/png go beside the checkpoint's eval)")
     args = p.parse_args(argv)
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from deepspec.config import load_config
-    from deepspec.eval.calibration import calibrate
+    from deepspec.eval.calibration import calibrate, load_rounds
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
@@ -107,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             if flag is not None:
                 extra.append(f"{key}=[{','.join(flag)}]" if isinstance(flag, list) else f"{key}={flag}")
         cfg = load_config(str(Path(ckpt) / "config.yaml"), extra + ["logging.wandb=false"])
-        out_dir = Path(tmp) / "calibration" if args.smoke else Path(ckpt) / "eval"
+        out_dir = Path(tmp) / "calibration" if args.smoke or args.rounds else Path(ckpt) / "eval"
         report = calibrate(cfg, ckpt, out_dir, temperatures=[float(t) for t in args.temperatures.split(",")], bins=args.bins,
-                           batch_size=args.batch_size, budgets_per_request=[float(b) for b in args.budgets.split(",")])
+                           batch_size=args.batch_size, budgets_per_request=[float(b) for b in args.budgets.split(",")],
+                           rounds=load_rounds(args.rounds) if args.rounds else None)
         res = summary(report, Path(ckpt), mode)
         res["files"] = {"json": str(out_dir / "calibration.json"), "png": str(out_dir / "calibration.png"),
-                        "png_written": (out_dir / "calibration.png").is_file()}
+                        "png_written": (out_dir / "calibration.png").is_file(), "rounds": args.rounds}
         res["eval"] = {"tasks": list(cfg.eval.tasks), "max_samples": cfg.eval.max_samples, "max_new_tokens": cfg.eval.max_new_tokens,
                        "num_draft_tokens": cfg.eval.num_draft_tokens, "draft_sample_method": cfg.eval.draft_sample_method}
     text = json.dumps(res, indent=2)

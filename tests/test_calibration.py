@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepspec.eval.calibration import (Round, admit, calibration_report, ece, fit_logistic, fit_scaling, oracle_scores,
-                                       pairs, replay_table, sigmoid, write_calibration)
+from deepspec.eval.calibration import (Round, admit, calibration_report, ece, fit_logistic, fit_scaling, load_rounds, oracle_scores,
+                                       pair_answers, pairs, replay_table, save_rounds, sigmoid, split_by_answer, write_calibration)
 
 
 def _synthetic_rounds(n: int, k: int, a_true: list[float], b_true: list[float], seed: int = 0) -> list[Round]:
@@ -277,3 +277,84 @@ def test_a_fit_without_signal_keeps_the_ranking_it_cannot_improve():
     y = (z < 0).astype(float)  # anti-correlated: the free fit would take a < 0
     a, b = fit_logistic(z, y)
     assert a == 0.0 and sigmoid(b) == pytest.approx(0.5, abs=0.01)
+
+
+def _answer_rounds(n_answers: int, per_answer: int, k: int, a_true: float, b_true: float, answer_sd: float = 0.0,
+                   seed: int = 0) -> list[Round]:
+    """Rounds grouped in answers: draft j accepted (given the ones before) with probability sigmoid(a z + b + u), u an
+    answer's own offset (sd `answer_sd`), as greedy answers differ in how predictable they are."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_answers):
+        u = rng.normal(0.0, answer_sd)
+        for _ in range(per_answer):
+            z = rng.normal(-1.0, 1.5, size=k)
+            acc = 0
+            while acc < k and rng.random() < sigmoid(a_true * z[acc] + b_true + u):
+                acc += 1
+            out.append(Round([float(v) for v in z], k, acc, g, 0.0))
+    return out
+
+
+def _nll(p, y):
+    p = np.clip(p, 1e-12, 1 - 1e-12)
+    return float(np.mean(-(y * np.log(p) + (1 - y) * np.log(1 - p))))
+
+
+def test_a_head_that_is_already_calibrated_is_left_as_it_is():
+    """Labels drawn from sigmoid(z) itself: cross-validation over the fit split's answers keeps the raw head (method
+    identity, baked pair (1, 0)), so the calibrated scores are the raw ones and nothing can get worse."""
+    for seed in range(5):
+        fit, ev = split_by_answer(_answer_rounds(40, 100, 4, 1.0, 0.0, seed=seed))
+        z, y, pos = pairs(fit)
+        sc = fit_scaling(z, y, pos, 4, answers=pair_answers(fit))
+        assert sc.method == "identity" and (sc.global_a, sc.global_b) == (1.0, 0.0), (seed, sc)
+        assert sc.cv_answers == 20 and set(sc.cv_nll) == {"identity", "global", "per_position@1000", "per_position@100", "per_position@10"}
+        ze, _, pe = pairs(ev)
+        assert np.array_equal(sc.apply(ze, pe), sigmoid(ze))
+
+
+def test_a_position_with_few_pairs_stays_near_the_global_pair_and_does_not_get_worse():
+    """Every position overconfident the same way (truth sigmoid(0.5 z - 0.5)); the deepest reaches ~30 pairs. Fitted
+    alone, that position's pair wanders (a = 0 or 0.84 on these seeds); chosen by cross-validation it keeps the global
+    pair, closer to the truth on every seed, and its held-out NLL is below the raw head's."""
+    for seed in range(5):
+        fit, ev = split_by_answer(_answer_rounds(40, 60, 4, 0.5, -0.5, seed=seed))
+        z, y, pos = pairs(fit)
+        sc = fit_scaling(z, y, pos, 4, answers=pair_answers(fit))
+        m = pos == 3
+        assert 15 < m.sum() < 60, m.sum()
+        alone = fit_logistic(z[m], y[m])
+        assert np.hypot(sc.a[3] - 0.5, sc.b[3] + 0.5) < np.hypot(alone[0] - 0.5, alone[1] + 0.5), (seed, sc.a[3], sc.b[3], alone)
+        ze, ye, pe = pairs(ev)
+        me = pe == 3
+        assert _nll(sc.apply(ze[me], pe[me]), ye[me]) < _nll(sigmoid(ze[me]), ye[me]), seed
+
+
+def test_answers_not_rounds_are_the_unit_of_the_selection():
+    """Answers with their own acceptance offsets (sd 1 in logit units) and a head right apart from them: held-out
+    answers, not held-out rounds, decide. Pair-level folds take the most flexible per-position fit on every seed;
+    answer-level folds take a simpler one or the same, and their held-out NLL over the seeds is no worse."""
+    order = ["identity", "global", "per_position@1000", "per_position@100", "per_position@10"]
+    grouped, pairwise = [], []
+    for seed in range(5):
+        fit, ev = split_by_answer(_answer_rounds(40, 150, 4, 1.0, 0.0, answer_sd=1.0, seed=seed))
+        z, y, pos = pairs(fit)
+        by_answer, by_pair = fit_scaling(z, y, pos, 4, answers=pair_answers(fit)), fit_scaling(z, y, pos, 4)
+        name = lambda sc: sc.method if sc.shrinkage is None else f"per_position@{sc.shrinkage:g}"  # noqa: E731
+        assert name(by_pair) == "per_position@10" and order.index(name(by_answer)) <= order.index(name(by_pair))
+        ze, ye, pe = pairs(ev)
+        grouped.append(_nll(by_answer.apply(ze, pe), ye))
+        pairwise.append(_nll(by_pair.apply(ze, pe), ye))
+    assert sum(grouped) <= sum(pairwise), (grouped, pairwise)
+
+
+def test_rounds_are_saved_and_a_refit_reads_them_back(tmp_path):
+    rounds = _synthetic_rounds(50, 3, [0.5] * 3, [0.0] * 3)
+    path = save_rounds(rounds, tmp_path / "calibration_rounds.jsonl")
+    assert load_rounds(path) == rounds
+    (tmp_path / "bad.jsonl").write_text("{\"logits\": 1}\n")
+    from deepspec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a calibration_rounds.jsonl"):
+        load_rounds(tmp_path / "bad.jsonl")

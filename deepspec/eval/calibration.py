@@ -7,8 +7,10 @@ A head that is overconfident, or biased at deeper positions, spends the budget o
 
   1. `collect_rounds` decodes held-out prompts with the evaluator's own speculative loop (eval/decode.py) and records,
      per verify round, the head's logit of every drafted slot and how many drafts the target accepted;
-  2. `fit_scaling` fits sigmoid(a_k * z + b_k) per position k (and one global (a, b)) by NLL on a fit split;
-     `ece` measures per-position expected calibration error (equal-mass bins) on a disjoint split;
+  2. `fit_scaling` chooses, by cross-validation over the fit split's answers, between the raw head (identity), one
+     global sigmoid(a * z + b) and per-position sigmoid(a_k * z + b_k) shrunk towards the global pair by each
+     position's count, and fits the choice by NLL on the whole fit split; `ece` measures per-position expected
+     calibration error (equal-mass bins) on a disjoint split;
   3. `admit` replays vLLM's slot admission and `replay_table` prices raw, calibrated and oracle scores as accepted
      drafts per verified slot at several budgets.
 
@@ -31,6 +33,11 @@ from deepspec.errors import ConfigError
 
 DEFAULT_BINS = 10
 MIN_PAIRS = 30  # fewer labelled pairs (or one class only) at a position: it takes the global fit
+# Pseudo-counts pulling a position's (a_k, b_k) towards the global pair: the fit minimises the position's summed NLL +
+# lambda/2 |(a_k, b_k) - (a, b)|^2, so a position with n_k >> lambda pairs keeps its own fit and one with few moves
+# little. Cross-validation picks lambda among these (or the global pair alone, or the raw head).
+SHRINKAGE = (1000.0, 100.0, 10.0)
+CV_FOLDS = 5
 
 
 @dataclass
@@ -51,15 +58,25 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------- pairs, fit, ECE
 
 
+def _reached(r: Round) -> int:
+    return min(r.checked, r.accepted + 1, len(r.logits))
+
+
 def pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(logit, accepted 0/1, 0-based position) for every slot a round reached (conditional acceptance labels)."""
     z, y, pos = [], [], []
     for r in rounds:
-        for k in range(min(r.checked, r.accepted + 1, len(r.logits))):
+        for k in range(_reached(r)):
             z.append(r.logits[k])
             y.append(1.0 if k < r.accepted else 0.0)
             pos.append(k)
     return np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64), np.asarray(pos, dtype=np.int64)
+
+
+def pair_answers(rounds: Sequence[Round]) -> np.ndarray:
+    """The answer each of `pairs(rounds)` came from, in the same order: the unit cross-validation holds out (a greedy
+    answer's rounds are far from independent: one repetitive answer gives hundreds of near-identical ones)."""
+    return np.asarray([r.answer for r in rounds for _ in range(_reached(r))], dtype=np.int64)
 
 
 def _newton(x: np.ndarray, y: np.ndarray, prior: np.ndarray, ridge: float, iters: int) -> np.ndarray:
@@ -91,31 +108,44 @@ def _newton(x: np.ndarray, y: np.ndarray, prior: np.ndarray, ridge: float, iters
     return theta
 
 
-def fit_logistic(z: np.ndarray, y: np.ndarray, *, bias: bool = True, ridge: float = 1e-4, iters: int = 100) -> tuple[float, float]:
-    """(a, b) minimising the mean NLL of sigmoid(a z + b). A tiny ridge towards the identity (a = 1, b = 0) keeps
-    separable data (all accepted, say) from running off to infinity. a is held >= 0: a temperature must not invert the
-    head's ranking; where the free optimum has a < 0 (no signal, e.g. one class only) the constrained one is a = 0 with
-    the bias alone."""
+def fit_logistic(z: np.ndarray, y: np.ndarray, *, bias: bool = True, ridge: float = 1e-4, iters: int = 100,
+                 prior: tuple[float, float] = (1.0, 0.0)) -> tuple[float, float]:
+    """(a, b) minimising the mean NLL of sigmoid(a z + b) + ridge/2 |(a, b) - prior|^2. The default tiny ridge towards
+    the identity (a = 1, b = 0) keeps separable data (all accepted, say) from running off to infinity; a larger one
+    towards the global pair is the per-position shrinkage. a is held >= 0: a temperature must not invert the head's
+    ranking; where the free optimum has a < 0 (no signal, e.g. one class only) the constrained one is a = 0 with the
+    bias alone."""
     z, y = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if bias:
-        a, b = _newton(np.stack([z, np.ones_like(z)], 1), y, np.array([1.0, 0.0]), ridge, iters)
+        a, b = _newton(np.stack([z, np.ones_like(z)], 1), y, np.array(prior, dtype=np.float64), ridge, iters)
     else:
-        (a,), b = _newton(z[:, None], y, np.array([1.0]), ridge, iters), 0.0
+        (a,), b = _newton(z[:, None], y, np.array([prior[0]]), ridge, iters), 0.0
     if a < 0:
         a = 0.0
-        b = float(_newton(np.ones((len(z), 1)), y, np.array([0.0]), ridge, iters)[0]) if bias else 0.0
+        b = float(_newton(np.ones((len(z), 1)), y, np.array([prior[1]]), ridge, iters)[0]) if bias else 0.0
     return float(a), float(b)
 
 
 @dataclass
 class Scaling:
-    """sigmoid(a[k] * z + b[k]) at 0-based position k (positions past the list use the global pair)."""
+    """sigmoid(a[k] * z + b[k]) at 0-based position k (positions past the list use the global pair).
+
+    `method` is what cross-validation over the fit split's answers chose for the per-position pairs: "identity" (the
+    raw head), "global" (the global pair everywhere) or "per_position" (shrunk towards the global pair with pseudo-count
+    `shrinkage`). (global_a, global_b), the pair an export bakes into vLLM's shared head, is the fitted global pair
+    where it beat the raw head in the same cross-validation, else (1, 0); `global_fit` is the fitted pair either way.
+    `cv_nll`: each candidate's held-out NLL per pair; `cv_answers`: the answers the folds held out."""
 
     a: list[float]
     b: list[float]
     global_a: float
     global_b: float
     fallback: list[int] = field(default_factory=list)  # positions that took the global pair (too few pairs)
+    method: str = "per_position"
+    shrinkage: float | None = None
+    global_fit: list[float] = field(default_factory=lambda: [1.0, 0.0])
+    cv_nll: dict[str, float] = field(default_factory=dict)
+    cv_answers: int = 0
 
     def apply(self, z: np.ndarray, pos: np.ndarray) -> np.ndarray:
         pos = np.asarray(pos)
@@ -124,20 +154,95 @@ class Scaling:
         return sigmoid(a * np.asarray(z) + b)
 
 
-def fit_scaling(z: np.ndarray, y: np.ndarray, pos: np.ndarray, num_positions: int, *, bias: bool = True,
-                min_pairs: int = MIN_PAIRS) -> Scaling:
-    """Per-position temperature scaling (a_k, optionally b_k) plus one global pair over all positions (the part an
-    export can bake into the shared head)."""
-    ga, gb = fit_logistic(z, y, bias=bias) if len(z) else (1.0, 0.0)
+def _nll(p: np.ndarray, y: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-12, 1 - 1e-12)
+    return -(y * np.log(p) + (1 - y) * np.log(1 - p))
+
+
+def _per_position(z, y, pos, num_positions: int, glob: tuple[float, float], shrinkage: float, bias: bool,
+                  min_pairs: int) -> tuple[list[float], list[float], list[int]]:
+    """Per-position pairs, each shrunk towards `glob` with pseudo-count `shrinkage` (ridge = shrinkage / n_k on the
+    mean NLL); a position with fewer than `min_pairs` pairs or one class only takes `glob`."""
     a, b, fallback = [], [], []
     for k in range(num_positions):
         m = pos == k
         if m.sum() < min_pairs or len(np.unique(y[m])) < 2:
-            a.append(ga), b.append(gb), fallback.append(k)
+            a.append(glob[0]), b.append(glob[1]), fallback.append(k)
             continue
-        ak, bk = fit_logistic(z[m], y[m], bias=bias)
+        ak, bk = fit_logistic(z[m], y[m], bias=bias, ridge=max(shrinkage / m.sum(), 1e-4), prior=glob)
         a.append(ak), b.append(bk)
-    return Scaling(a, b, ga, gb, fallback)
+    return a, b, fallback
+
+
+def _candidates(z, y, pos, num_positions: int, bias: bool, min_pairs: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Every candidate scaling fitted on (z, y, pos), simplest first: identity, global, per-position by decreasing
+    shrinkage."""
+    k = num_positions
+    glob = fit_logistic(z, y, bias=bias) if len(z) else (1.0, 0.0)
+    out = {"identity": ([1.0] * k, [0.0] * k), "global": ([glob[0]] * k, [glob[1]] * k)}
+    for lam in SHRINKAGE:
+        a, b, _ = _per_position(z, y, pos, k, glob, lam, bias, min_pairs)
+        out[f"per_position@{lam:g}"] = (a, b)
+    return out
+
+
+def _apply(ab: tuple[list[float], list[float]], z: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    a, b = np.asarray(ab[0])[pos], np.asarray(ab[1])[pos]
+    return sigmoid(a * z + b)
+
+
+def _one_se_choice(per_answer: dict[str, np.ndarray], order: Sequence[str]) -> str:
+    """The simplest candidate (in `order`) whose held-out NLL, summed per answer, is within one standard error of the
+    best candidate's: the paired per-answer differences give the error, so answers, not rounds, are the samples."""
+    best = min(order, key=lambda c: per_answer[c].sum())
+    for c in order:
+        d = per_answer[c] - per_answer[best]
+        se = float(np.sqrt(len(d)) * d.std(ddof=1)) if len(d) > 1 else 0.0
+        if d.sum() <= se:
+            return c
+    return best
+
+
+def fit_scaling(z: np.ndarray, y: np.ndarray, pos: np.ndarray, num_positions: int, *, bias: bool = True,
+                min_pairs: int = MIN_PAIRS, answers: np.ndarray | None = None, folds: int = CV_FOLDS) -> Scaling:
+    """Calibrate the head's logits on a fit split, choosing the scaling by cross-validation inside that split.
+
+    Candidates, simplest first: the raw head (identity), one global (a, b), and per-position (a_k, b_k) shrunk
+    towards the global pair with each pseudo-count in SHRINKAGE. Folds hold out whole answers (`answers`: each pair's;
+    None: each pair is its own answer); a candidate's held-out NLL is summed per answer, and the simplest candidate
+    within one standard error (over answers) of the best is chosen (`_one_se_choice`), then fitted on the whole split.
+    So a fit that does not beat the raw head on answers it did not see is not taken, and a position with few pairs
+    stays near the global pair. The baked global pair is chosen the same way between identity and global. With fewer
+    than two answers nothing can be held out and the raw head is kept."""
+    z, y, pos = np.asarray(z, dtype=np.float64), np.asarray(y, dtype=np.float64), np.asarray(pos, dtype=np.int64)
+    groups = np.arange(len(z)) if answers is None else np.asarray(answers)
+    uniq = np.unique(groups)
+    full = _candidates(z, y, pos, num_positions, bias, min_pairs)
+    names = list(full)
+    glob_fit = [full["global"][0][0], full["global"][1][0]] if num_positions else [1.0, 0.0]
+    if len(uniq) < 2:
+        return Scaling([1.0] * num_positions, [0.0] * num_positions, 1.0, 0.0, [], "identity", None, glob_fit, {}, len(uniq))
+    n_folds = min(folds, len(uniq))
+    fold_of = {g: i % n_folds for i, g in enumerate(np.random.default_rng(0).permutation(uniq))}
+    fold = np.array([fold_of[g] for g in groups])
+    index = {g: i for i, g in enumerate(uniq)}
+    per_answer = {c: np.zeros(len(uniq)) for c in names}
+    for f in range(n_folds):
+        tr, te = fold != f, fold == f
+        fitted = _candidates(z[tr], y[tr], pos[tr], num_positions, bias, min_pairs)
+        rows = np.array([index[g] for g in groups[te]])
+        for c in names:
+            np.add.at(per_answer[c], rows, _nll(_apply(fitted[c], z[te], pos[te]), y[te]))
+    method = _one_se_choice(per_answer, names)
+    glob_ok = _one_se_choice(per_answer, ["identity", "global"]) == "global"
+    ga, gb = glob_fit if glob_ok else (1.0, 0.0)
+    cv = {c: round(float(per_answer[c].sum() / max(len(z), 1)), 6) for c in names}
+    if method.startswith("per_position"):
+        lam = float(method.split("@")[1])
+        a, b, fallback = _per_position(z, y, pos, num_positions, tuple(glob_fit), lam, bias, min_pairs)
+        return Scaling(a, b, ga, gb, fallback, "per_position", lam, glob_fit, cv, len(uniq))
+    a, b = full[method]
+    return Scaling(list(a), list(b), ga, gb, [], method, None, glob_fit, cv, len(uniq))
 
 
 def ece(p: np.ndarray, y: np.ndarray, bins: int = DEFAULT_BINS) -> float:
@@ -265,7 +370,10 @@ def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bia
     """Per temperature: the fitted scaling, per-position ECE before / after on the evaluation split, and the admission
     replay (raw / calibrated / oracle) over the evaluation split's rounds."""
     out: dict[str, Any] = {"bins": bins, "binning": "equal-mass", "label": "conditional acceptance (draft k | drafts < k accepted)",
-                           "split": "fit on even answers, evaluated on odd answers", "temperatures": {}}
+                           "split": "fit on even answers, evaluated on odd answers",
+                           "selection": f"identity / global / per-position shrunk by pseudo-counts {list(SHRINKAGE)}: the simplest "
+                                        f"within one standard error of the best held-out NLL, {CV_FOLDS}-fold cross-validation "
+                                        "over the fit split's answers", "temperatures": {}}
     for temp in sorted({r.temperature for r in rounds}):
         fit_r, eval_r = split_by_answer([r for r in rounds if r.temperature == temp])
         if not fit_r or not eval_r:
@@ -273,7 +381,7 @@ def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bia
                               "give the eval more prompts (eval.max_samples).")
         k = max(len(r.logits) for r in rounds)
         zf, yf, pf = pairs(fit_r)
-        sc = fit_scaling(zf, yf, pf, k, bias=bias)
+        sc = fit_scaling(zf, yf, pf, k, bias=bias, answers=pair_answers(fit_r))
         ze, ye, pe = pairs(eval_r)
         raw_p, cal_p = sigmoid(ze), sc.apply(ze, pe)
         glob_p = sigmoid(sc.global_a * ze + sc.global_b)
@@ -344,11 +452,33 @@ def write_calibration(report: dict[str, Any], out_dir: str | Path, bake_temperat
     return {"json": out / "calibration.json", **({"png": png} if png else {})}
 
 
+ROUNDS_FILE = "calibration_rounds.jsonl"
+
+
+def save_rounds(rounds: Sequence[Round], path: str | Path) -> Path:
+    """One JSON object per round: what a refit needs without decoding again (`--rounds`)."""
+    path = Path(path)
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rounds))
+    return path
+
+
+def load_rounds(path: str | Path) -> list[Round]:
+    """Rounds saved by save_rounds; a user error when the file is not such a list."""
+    try:
+        return [Round(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path} is not a {ROUNDS_FILE} written by `python -m deepspec.eval.calibration` ({e}).") from e
+
+
 def calibrate(cfg, checkpoint_dir: str | Path, out_dir: str | Path, *, temperatures: Sequence[float] = (0.0, 1.0),
               bins: int = DEFAULT_BINS, batch_size: int = 8, budgets_per_request: Sequence[float] = (1.0, 2.0, 3.0, 4.0),
-              max_answers: int | None = None, device: str = "cpu") -> dict[str, Any]:
-    """Collect, fit, evaluate and write calibration.json + calibration.png for a DSpark checkpoint; returns the report."""
-    rounds = collect_rounds(cfg, checkpoint_dir, temperatures=temperatures, device=device, max_answers=max_answers)
+              max_answers: int | None = None, device: str = "cpu", rounds: Sequence[Round] | None = None) -> dict[str, Any]:
+    """Collect (unless `rounds` are given), fit, evaluate and write calibration.json + calibration.png, and the rounds
+    (calibration_rounds.jsonl, for a refit without decoding), for a DSpark checkpoint; returns the report."""
+    if rounds is None:
+        rounds = collect_rounds(cfg, checkpoint_dir, temperatures=temperatures, device=device, max_answers=max_answers)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_rounds(rounds, Path(out_dir) / ROUNDS_FILE)
     report = calibration_report(rounds, bins=bins, batch_size=batch_size, budgets_per_request=budgets_per_request)
     write_calibration(report, out_dir)
     return json.loads((Path(out_dir) / "calibration.json").read_text())
@@ -365,11 +495,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", help="folder for calibration.json / calibration.png (default: CHECKPOINT/eval)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
+    ap.add_argument("--rounds", help=f"refit from a {ROUNDS_FILE} an earlier run wrote instead of decoding again")
     ap.add_argument("--opts", nargs="*", default=[])
     a = ap.parse_args(argv)
     ckpt = Path(a.checkpoint)
     cfg = load_config(str(ckpt / "config.yaml"), list(a.opts))
-    rep = calibrate(cfg, ckpt, a.out or ckpt / "eval", temperatures=[float(t) for t in a.temperatures.split(",")], bins=a.bins)
+    rep = calibrate(cfg, ckpt, a.out or ckpt / "eval", temperatures=[float(t) for t in a.temperatures.split(",")], bins=a.bins,
+                    rounds=load_rounds(a.rounds) if a.rounds else None)
     print(json.dumps({t: v["ece_all_positions"] for t, v in rep["temperatures"].items()}))
 
 
