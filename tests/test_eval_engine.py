@@ -94,6 +94,32 @@ def test_served_speedup_prompt_selection():
         load_config(None, ["eval.engine_speedup_max_samples=0"])
 
 
+def test_served_speedup_times_a_warm_server():
+    """A fresh server's first request is slow (one-off costs): it is sent once untimed before either mode is timed,
+    so a cold baseline cannot make a draft look faster than it is."""
+    import time
+    from types import SimpleNamespace
+
+    from deepspec.eval.engine import time_tasks
+
+    class Server:  # 10 tokens a conversation, 10 ms each once warm, the first one 400 ms
+        def __init__(self):
+            self.completion_tokens, self.calls = 0, 0
+
+        def conversation(self, turns, seed, system=None):
+            self.calls += 1
+            time.sleep(0.4 if self.calls == 1 else 0.01)
+            self.completion_tokens += 10
+            return 0
+
+    items = [SimpleNamespace(index=i, row={"turns": ["hi"]}) for i in range(3)]
+    server = Server()
+    timed = time_tasks(server, {"heldout": items}, seed=0)
+    assert server.calls == 1 + 2 * len(items)  # the warm-up, then each mode over every conversation
+    for mode in ("single", "concurrent"):
+        assert timed["heldout"][mode]["tokens"] == 30 and timed["heldout"][mode]["seconds"] < 0.3, timed
+
+
 @pytest.mark.parametrize("algo, why", [("dspark", "adaptive verification"), ("dflash2", "candidate walk")])
 def test_a_draft_only_vllms_gpu_runner_serves_is_refused_with_its_reason(algo, why, tmp_path):
     from deepspec.config import load_config

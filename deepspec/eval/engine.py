@@ -230,8 +230,15 @@ SPEEDUP_CONCURRENCY = {"single": 1, "concurrent": 16}
 
 def time_tasks(client: "_Client", by_task: dict[str, list], seed: int) -> dict[str, dict[str, Any]]:
     """Output tokens/s of the engine behind `client` per benchmark, one request at a time and 16 in flight
-    (each benchmark's conversations, MT-Bench's second turn after the engine's own first answer)."""
+    (each benchmark's conversations, MT-Bench's second turn after the engine's own first answer).
+
+    One untimed conversation first: a fresh server's first requests pay one-off costs (kernel selection, allocator
+    growth; seconds on vLLM's CPU build), and the server with the draft has already served the acceptance run while
+    the baseline server has not, so timing a cold baseline would credit the draft with its warm-up."""
     out: dict[str, dict[str, Any]] = {}
+    first = next((items[0] for items in by_task.values() if items), None)
+    if first is not None:
+        client.conversation(first.row["turns"], seed + first.index * 16, first.row.get("system"))
     for task, items in by_task.items():
         for mode, workers in SPEEDUP_CONCURRENCY.items():
             tokens0, t0 = client.completion_tokens, time.perf_counter()
