@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -19,53 +18,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _conversation(rng: random.Random, i: int) -> dict:
-    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
-    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
-    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 20)))
-    return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-
-
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
-    from deepspec.config import load_config
-    from deepspec.data.cache import build_cache
+    """fp32: the equalities below are fp32-exact (pinned, not the quickstart's bf16_if_native, bf16 on some CPUs)."""
+    from tiny_recipe import cached_recipe
 
-    root = tmp_path_factory.mktemp("faults")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(16)))
-    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(4)))
-    path = root / "recipe.yaml"
-    path.write_text(
-        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
-project: f
-exp: e3
-output_root: {root}/out
-target: {{name: {tiny_llama_dir}}}
-data: {{dir: {data}}}
-cache: {{max_length: 64}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false}}
-train:
-  output_root: {root}/ckpt
-  optimizer: adamw
-  precision: fp32       # the equalities below are fp32-exact: pinned, not the quickstart's bf16_if_native (bf16 on some CPUs)
-  global_batch_size: 4
-  micro_batch_size: 1
-  max_steps: 40
-  save_every: 1000
-  val_every: 1000
-  log_every: 1
-  keep_last: 2
-  num_workers: 0
-logging: {{progress: false, wandb: false, tensorboard: false}}
-"""
-    )
-    cfg = load_config(path)
-    build_cache(cfg, "train")
-    build_cache(cfg, "heldout")
-    return path
+    return cached_recipe(tmp_path_factory.mktemp("faults"), tiny_llama_dir, samples=16, heldout=4, max_length=64, project="f",
+                         answer=(6, 20),
+                         train="optimizer: adamw, precision: fp32, global_batch_size: 4, micro_batch_size: 1, max_steps: 40, "
+                               "save_every: 1000, val_every: 1000, log_every: 1, keep_last: 2, num_workers: 0")
 
 
 def _cfg(recipe: Path, *opts: str):

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train import _conversation  # the trainer tests' conversations
+from tiny_recipe import conversation  # the trainer tests' conversations
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12  # two epochs of 6 steps (24 samples, global batch 4)
@@ -33,44 +33,15 @@ def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
     """A recipe on the tiny target; its held-out cache is built (validation reads it in both modes), and so is the
     train cache of the offline reference run. One target forward per sample (batch_tokens 1) on both paths, so the
     streamed features are the cache's bytes exactly."""
-    from deepspec.config import load_config
-    from deepspec.data.cache import build_cache
+    from tiny_recipe import cached_recipe
 
-    root = tmp_path_factory.mktemp("stream")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(24)))
-    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(4)))
-    path = root / "recipe.yaml"
-    path.write_text(
-        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
-project: t
-exp: offline
-output_root: {root}/out
-target: {{name: {tiny_llama_dir}}}
-data: {{dir: {data}}}
-cache: {{max_length: 128, batch_tokens: 1, spool_gb: {CAP_GB}, stream_ahead: 2, stream_timeout_s: 120}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: 64, init_copy_heads: false}}
-train:
-  output_root: {root}/ckpt
-  optimizer: adamw
-  global_batch_size: {GLOBAL}
-  micro_batch_size: 1
-  max_steps: {STEPS}
-  save_every: 4
-  val_every: 6
-  log_every: 1
-  keep_last: 2
-logging: {{progress: false, wandb: false}}
-"""
-    )
-    cfg = load_config(path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
-        build_cache(cfg, "train")
-        build_cache(cfg, "heldout")
-    return path
+        return cached_recipe(tmp_path_factory.mktemp("stream"), tiny_llama_dir, samples=24, heldout=4, max_length=128,
+                             exp="offline", logging="wandb: false", model="draft_vocab_size: 64",
+                             cache=f"batch_tokens: 1, spool_gb: {CAP_GB}, stream_ahead: 2, stream_timeout_s: 120",
+                             train=f"optimizer: adamw, global_batch_size: {GLOBAL}, micro_batch_size: 1, max_steps: {STEPS}, "
+                                   "save_every: 4, val_every: 6, log_every: 1, keep_last: 2")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -639,7 +610,7 @@ def test_vllm_producer_streams_the_features_the_hf_cache_holds(smollm2_dir, tmp_
     monkeypatch.setenv("DEEPSPEC_CACHE_DEVICE", "cpu")
     (tmp_path / "data").mkdir()
     rng = random.Random(1)
-    (tmp_path / "data" / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(4)))
+    (tmp_path / "data" / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(4)))
 
     def cfg_for(backend: str):
         return config_from_dict({

@@ -22,53 +22,17 @@ STEPS = 6
 # ----------------------------------------------------------------------------- fixtures
 
 
-def _conversation(rng: random.Random, i: int) -> dict:
-    words = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
-    q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
-    a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 24)))
-    return {"id": str(i), "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-
-
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
-    """A recipe on the tiny target with a built train + held-out cache; runs write under train.output_root."""
-    from deepspec.config import load_config
-    from deepspec.data.cache import build_cache
+    """A recipe on the tiny target with a built train + held-out cache; runs write under train.output_root.
+    adamw: the quickstart's Muon needs whole matrices and these tests cover FSDP too; fp32: the equalities below are
+    fp32-exact (pinned, not the quickstart's bf16_if_native, bf16 on some CPUs); one sample per micro-batch: the same
+    micro-batches on 1 or 2 workers (exact equality below)."""
+    from tiny_recipe import cached_recipe
 
-    root = tmp_path_factory.mktemp("train")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    (data / "regenerated.jsonl").write_text("".join(json.dumps(_conversation(rng, i)) + "\n" for i in range(32)))
-    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(_conversation(rng, 100 + i)) + "\n" for i in range(8)))
-    path = root / "recipe.yaml"
-    path.write_text(
-        f"""_base_: {REPO}/config/quickstart/eagle3.yaml
-project: t
-exp: e3
-output_root: {root}/out
-target: {{name: {tiny_llama_dir}}}
-data: {{dir: {data}}}
-cache: {{max_length: 128}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false}}  # copy heads need tap -1
-train:
-  output_root: {root}/ckpt
-  optimizer: adamw       # the quickstart's Muon needs whole matrices; these tests cover FSDP too
-  precision: fp32       # the equalities below are fp32-exact: pinned, not the quickstart's bf16_if_native (bf16 on some CPUs)
-  global_batch_size: 8
-  micro_batch_size: 1   # one sample per micro-batch: the same micro-batches on 1 or 2 workers (exact equality below)
-  max_steps: {STEPS}
-  save_every: 2
-  val_every: 3
-  log_every: 1
-  keep_last: 2
-logging: {{progress: false}}
-"""
-    )
-    cfg = load_config(path)
-    build_cache(cfg, "train")
-    build_cache(cfg, "heldout")
-    return path
+    return cached_recipe(tmp_path_factory.mktemp("train"), tiny_llama_dir, samples=32, heldout=8, max_length=128, logging="",
+                         train=f"optimizer: adamw, precision: fp32, global_batch_size: 8, micro_batch_size: 1, "
+                               f"max_steps: {STEPS}, save_every: 2, val_every: 3, log_every: 1, keep_last: 2")
 
 
 def _cfg(recipe: Path, *opts: str):

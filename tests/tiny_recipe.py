@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and then ran far away from home while it rained all day long".split()
 
@@ -28,32 +30,37 @@ def write_regenerated(data: Path, samples: int, name: str = "regenerated.jsonl",
 
 
 def cached_recipe(root: Path, target_dir: Path, *, samples: int, heldout: int, max_length: int, train: str, model: str = "",
-                  project: str = "t") -> Path:
-    """Write `root`/recipe.yaml over `samples` + `heldout` conversations and build both caches; returns its path.
-    train / model: extra `key: value` pairs of those sections (YAML flow syntax, without braces)."""
+                  cache: str = "", project: str = "t", exp: str = "e3", logging: str = "wandb: false, tensorboard: false",
+                  answer: tuple[int, int] = (6, 24), build: tuple[str, ...] = ("train", "heldout")) -> Path:
+    """Write `root`/recipe.yaml over `samples` + `heldout` conversations (answers of `answer` words) and build the
+    caches named in `build`; returns its path. train / model / cache / logging: extra `key: value` pairs of those
+    sections (YAML flow syntax, without braces; `model` may override the defaults here)."""
     from deepspec.config import load_config
     from deepspec.data.cache import build_cache
 
     data = root / "data"
     data.mkdir(parents=True)
     rng = random.Random(0)
-    (data / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i)) + "\n" for i in range(samples)))
-    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(conversation(rng, 100 + i)) + "\n" for i in range(heldout)))
+    (data / "regenerated.jsonl").write_text("".join(json.dumps(conversation(rng, i, answer)) + "\n" for i in range(samples)))
+    (data / "regenerated.heldout.jsonl").write_text("".join(json.dumps(conversation(rng, 100 + i, answer)) + "\n" for i in range(heldout)))
+    # copy heads need tap -1; `model` overrides these defaults key by key
+    models = {"target_layer_ids": [0, 2, 4], "draft_vocab_size": None, "init_copy_heads": False, **yaml.safe_load(f"{{{model}}}")}
+    model_yaml = yaml.safe_dump(models, default_flow_style=True, sort_keys=False, width=10**6).strip()
     path = root / "recipe.yaml"
     path.write_text(
         f"""_base_: {REPO}/config/quickstart/eagle3.yaml
 project: {project}
-exp: e3
+exp: {exp}
 output_root: {root}/out
 target: {{name: {target_dir}}}
 data: {{dir: {data}}}
-cache: {{max_length: {max_length}}}
-model: {{target_layer_ids: [0, 2, 4], draft_vocab_size: null, init_copy_heads: false{', ' + model if model else ''}}}
+cache: {{max_length: {max_length}{', ' + cache if cache else ''}}}
+model: {model_yaml}
 train: {{output_root: {root}/ckpt, {train}}}
-logging: {{progress: false, wandb: false, tensorboard: false}}
+logging: {{progress: false{', ' + logging if logging else ''}}}
 """
     )
     cfg = load_config(path)
-    build_cache(cfg, "train")
-    build_cache(cfg, "heldout")
+    for split in build:
+        build_cache(cfg, split)
     return path
