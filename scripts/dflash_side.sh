@@ -20,6 +20,9 @@ while [ $# -gt 0 ]; do
 done
 PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python
+mkdir -p "$(dirname "$DIR")"
+exec 9>"$DIR.lock"  # parallel test workers: one installs, the others wait and reuse it
+flock 9
 if [ ! -f "$DIR/.complete" ]; then
   mkdir -p "$DIR"
   "$PY" -m pip install -q --no-deps --target "$DIR" "dflash==$VERSION" >&2

@@ -8,6 +8,9 @@ VERSION="${DEEPSPEC_SGLANG_VERSION:-0.5.23}"
 DIR="${1:-${DEEPSPEC_SGLANG_SIDE:-$HOME/.cache/deepspec/sglang-$VERSION}}"
 PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python
+mkdir -p "$(dirname "$DIR")"
+exec 9>"$DIR.lock"  # parallel test workers: one installs, the others wait and reuse it
+flock 9
 if [ ! -f "$DIR/.complete" ]; then
   mkdir -p "$DIR"
   # sglang itself plus the few pure-Python modules its model files import that the main venv lacks

@@ -65,7 +65,7 @@ def embedded_target_dir(name: str = "smollm2-135m-instruct") -> Path:
     if _converted(out):
         return out
     src = gguf_path(name)
-    with _conversion_lock(out):
+    with build_lock(out):
         if not _converted(out):  # another process may have converted it while we waited
             log.info("converting %s to a Hugging Face folder at %s (once)", src.name, out)
             _convert(name, src, out)
@@ -78,8 +78,9 @@ def _converted(out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _conversion_lock(out: Path):
-    """A blocking flock on `.<name>.convert.lock` beside the folder (released by the kernel if the holder dies)."""
+def build_lock(out: Path):
+    """A blocking flock on `.<name>.convert.lock` beside the folder `out` that one process builds for all (released by
+    the kernel if the holder dies): the others wait, then find it built."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.convert.lock", "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

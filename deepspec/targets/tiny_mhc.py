@@ -260,25 +260,29 @@ def save_tiny_mhc(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
 
 
 def tiny_mhc_dir() -> Path:
-    """The `tiny-mhc` folder under the deepspec cache dir (built once, atomically; seed 0)."""
-    from deepspec.targets.embedded import cache_root
+    """The `tiny-mhc` folder under the deepspec cache dir (built once, atomically, under one lock for every process
+    asking at once; seed 0)."""
+    from deepspec.targets.embedded import build_lock, cache_root
 
     out = cache_root() / "targets" / NAME
     marker = out / "deepspec_target.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION:
+
+    def built() -> bool:
+        return marker.is_file() and json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION
+
+    if built():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=out.parent))
-    try:
-        save_tiny_mhc(tmp)
-        (tmp / "deepspec_target.json").write_text(json.dumps({"format_version": _FORMAT_VERSION, "name": NAME, "seed": 0}))
-        if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
+    with build_lock(out):
+        if built():  # another process built it while we waited
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=out.parent))
         try:
+            save_tiny_mhc(tmp)
+            (tmp / "deepspec_target.json").write_text(json.dumps({"format_version": _FORMAT_VERSION, "name": NAME, "seed": 0}))
+            if out.exists():
+                shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
-        except OSError:  # another process built it first
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
     return out
