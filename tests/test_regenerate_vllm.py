@@ -26,7 +26,7 @@ def make_config(tmp_path: Path, *opts: str) -> Path:
     from deepspec.data.prompts import build_prompts
 
     cfg = load_config(None, [
-        f"data.dir={tmp_path / 'data'}", "data.prompts.max_samples=32", "data.prompts.heldout=2",
+        f"data.dir={tmp_path / 'data'}", "data.prompts.max_samples=16", "data.prompts.heldout=2",
         "data.prompts.max_prompt_chars=1200", f"eval.datasets_dir={tmp_path / 'none'}",
         "data.regenerate.sampling.max_tokens=48", "data.regenerate.max_model_len=2048", *opts,
     ])
@@ -54,7 +54,7 @@ def run_killed_then_resumed(tmp_path: Path, args: list[str], kill_after_lines: i
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
     partial = complete_lines(out)
-    assert 0 < partial < 30, "the kill must land part-way through the train split"
+    assert 0 < partial < 14, "the kill must land part-way through the train split"
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 

@@ -1,6 +1,6 @@
 """The served-acceptance contract (export/contract.py) and `deepspec check EXPORT --served URL` (export/served.py):
 the band's arithmetic, the contract's round trip through an export and its model card, and the check's exit codes
-against a small stand-in server that speaks vLLM's /v1 and /metrics (the real vLLM server: test_served_vllm.py)."""
+against a small stand-in server that speaks vLLM's /v1 and /metrics (the real vLLM server: test_conformance_vllm.py)."""
 
 from __future__ import annotations
 
