@@ -2,6 +2,9 @@
 # README command 2: set up (idempotent) and run the whole test suite.
 #   bash scripts/test.sh [pytest args...]
 #   bash scripts/test.sh --fast [pytest args...]   # the fast tier: every test not marked slow or vllm (minutes)
+# Tests run in DEEPSPEC_TEST_WORKERS processes (default 2; 1 = in this process), a whole module per process so its
+# module-scoped set-up (a trained draft, a vLLM server) is made once; much of the suite waits on one-threaded work
+# (vLLM's CPU serving, process start-up, imports) that a second process overlaps.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
@@ -12,4 +15,9 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   TIER=(-m "not slow and not vllm" --timeout=300)
 fi
-exec "$ROOT/.venv/bin/python" -m pytest -q -ra --timeout=1800 --durations=25 "${TIER[@]}" "$@"
+WORKERS="${DEEPSPEC_TEST_WORKERS:-2}"
+PARALLEL=()
+if [ "$WORKERS" -gt 1 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadfile)
+fi
+exec "$ROOT/.venv/bin/python" -m pytest -q -ra --timeout=1800 --durations=25 "${PARALLEL[@]}" "${TIER[@]}" "$@"

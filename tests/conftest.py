@@ -89,7 +89,7 @@ def sglang_side():
 # failed must not pass as "skipped".
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-_CUDA_ONLY: list[str] = []
+CUDA_ONLY = "CUDA only"  # the skip reason's prefix; the summary lists these from the reports (parallel workers too)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,8 +102,7 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in cuda_items:
         reason = item.get_closest_marker("cuda").kwargs.get("reason", "")
-        item.add_marker(pytest.mark.skip(reason=f"CUDA only: {reason}" if reason else "CUDA only"))
-        _CUDA_ONLY.append(item.nodeid)
+        item.add_marker(pytest.mark.skip(reason=f"{CUDA_ONLY}: {reason}" if reason else CUDA_ONLY))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -112,15 +111,19 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not (CI and report.skipped) or hasattr(report, "wasxfail") or item.get_closest_marker("cuda"):
         return
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    reason = reason.removeprefix("Skipped: ")
+    reason = _skip_reason(report)
     report.outcome = "failed"
     report.longrepr = (f"skipped under CI=true ({reason}): a test may skip only for want of a CUDA GPU; install what it "
                        f"needs in scripts/setup.sh or mark it `cuda`")
 
 
+def _skip_reason(report) -> str:
+    return (report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)).removeprefix("Skipped: ")
+
+
 def pytest_terminal_summary(terminalreporter):
-    if _CUDA_ONLY:
-        terminalreporter.write_sep("-", f"CUDA-only: {len(_CUDA_ONLY)} tests not run without a GPU (benchmarks/gpu_check.sh runs them)")
-        for nodeid in _CUDA_ONLY:
+    cuda_only = sorted(r.nodeid for r in terminalreporter.stats.get("skipped", []) if _skip_reason(r).startswith(CUDA_ONLY))
+    if cuda_only:
+        terminalreporter.write_sep("-", f"CUDA-only: {len(cuda_only)} tests not run without a GPU (benchmarks/gpu_check.sh runs them)")
+        for nodeid in cuda_only:
             terminalreporter.write_line(f"  {nodeid}")

@@ -37,14 +37,16 @@ def sample_suite(tmp_path_factory) -> Path:
     return d
 
 
-def _run(d: Path, ci: str) -> subprocess.CompletedProcess:
+def _run(d: Path, ci: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CI=ci, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", str(d)],
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *args, str(d)],
                           capture_output=True, text=True, env=env, cwd=str(d), timeout=300)
 
 
-def test_a_skip_fails_under_ci_but_cuda_only_tests_are_listed(sample_suite):
-    r = _run(sample_suite, "true")
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["serial", "two-workers"])
+def test_a_skip_fails_under_ci_but_cuda_only_tests_are_listed(sample_suite, workers):
+    """The same policy and summary when the suite runs on parallel workers (scripts/test.sh's default)."""
+    r = _run(sample_suite, "true", *workers)
     assert r.returncode == 1, r.stdout
     assert "1 failed, 1 passed, 1 skipped" in r.stdout, r.stdout
     assert "skipped under CI=true (the sglang package could not be installed)" in r.stdout
