@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = ["regenerate", "cache", "train", "eval"]
 # every script's smoke: bench_<name>.py and its arguments (the GPU drivers bench_gpu.py and gpu_check.sh have their own)
 SMOKES = {name: ["--smoke"] for name in [
-    "cache", "copy", "draft_vllm_agreement", "drafts", "eval", "launches", "loader", "loss_normalization", "peer", "plan",
+    "audit_cost", "cache", "copy", "draft_vllm_agreement", "drafts", "eval", "launches", "loader", "loss_normalization", "peer", "plan",
     "regenerate", "replay", "served_length", "step_time", "stream", "train"]}
 SMOKES["draft_memory"] = ["--recipe", "config/eagle3/qwen3-8b.yaml", "--smoke"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["copy", "draft_vllm_agreement", "drafts", "eval", "loader", "loss_normalization", "peer", "plan", "regenerate",
-           "replay", "served_length", "step_time", "stream"]
+SCRIPTS = ["audit_cost", "copy", "draft_vllm_agreement", "drafts", "eval", "loader", "loss_normalization", "peer", "plan",
+           "regenerate", "replay", "served_length", "step_time", "stream"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,12 @@ def _result(smokes: dict, name: str) -> dict:
 
 def _rate(x) -> bool:
     return x is not None and 0.0 <= x <= 1.0
+
+
+def check_audit_cost(r: dict) -> None:
+    assert r["build_s"] > 0 and r["audit_s"] > 0 and set(r["audit_per_split"]) == {"train", "heldout"}
+    assert all(split["ok"] and not split["failures"] and split["samples"] > 0 for split in r["audit_per_split"].values())
+    assert math.isclose(r["audit_share_of_build"], r["audit_s"] / r["build_s"], rel_tol=0.01)
 
 
 def check_copy(r: dict) -> None:
