@@ -92,7 +92,20 @@ CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 CUDA_ONLY = "CUDA only"  # the skip reason's prefix; the summary lists these from the reports (parallel workers too)
 
 
+def _module_rank(items) -> dict[str, int]:
+    """0 for a module with a slow test that starts vLLM, 1 with a slow one or one that starts vLLM, 2 otherwise."""
+    rank: dict[str, int] = {}
+    for item in items:
+        r = 2 - bool(item.get_closest_marker("vllm")) - bool(item.get_closest_marker("slow"))
+        rank[item.module.__name__] = min(r, rank.get(item.module.__name__, 2))
+    return rank
+
+
 def pytest_collection_modifyitems(config, items):
+    # The longest modules first (their own order kept): parallel workers then start on them and fill in with the short
+    # ones, instead of meeting the long ones at the end of the queue with the other worker idle.
+    rank = _module_rank(items)
+    items.sort(key=lambda item: rank[item.module.__name__])
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:
         return
