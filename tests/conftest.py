@@ -97,15 +97,19 @@ def _module_rank(items) -> dict[str, int]:
     rank: dict[str, int] = {}
     for item in items:
         r = 2 - bool(item.get_closest_marker("vllm")) - bool(item.get_closest_marker("slow"))
-        rank[item.module.__name__] = min(r, rank.get(item.module.__name__, 2))
+        rank[_module(item)] = min(r, rank.get(_module(item), 2))
     return rank
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
     # The longest modules first (their own order kept): parallel workers then start on them and fill in with the short
     # ones, instead of meeting the long ones at the end of the queue with the other worker idle.
     rank = _module_rank(items)
-    items.sort(key=lambda item: rank[item.module.__name__])
+    items.sort(key=lambda item: rank[_module(item)])
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:
         return
