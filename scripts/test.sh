@@ -18,6 +18,6 @@ fi
 WORKERS="${DEEPSPEC_TEST_WORKERS:-2}"
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
-  PARALLEL=(-n "$WORKERS" --dist loadfile)
+  PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # our module order (tests/conftest.py), not by size
 fi
 exec "$ROOT/.venv/bin/python" -m pytest -q -ra --timeout=1800 --durations=25 "${PARALLEL[@]}" "${TIER[@]}" "$@"

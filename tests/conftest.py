@@ -107,7 +107,8 @@ def _module(item) -> str:
 
 def pytest_collection_modifyitems(config, items):
     # The longest modules first (their own order kept): parallel workers then start on them and fill in with the short
-    # ones, instead of meeting the long ones at the end of the queue with the other worker idle.
+    # ones, instead of meeting the long ones at the end of the queue with the other worker idle (scripts/test.sh turns
+    # off xdist's own order, by number of tests, which puts a one-test end-to-end module last).
     rank = _module_rank(items)
     items.sort(key=lambda item: rank[_module(item)])
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
