@@ -358,3 +358,40 @@ def test_rounds_are_saved_and_a_refit_reads_them_back(tmp_path):
 
     with pytest.raises(ConfigError, match="not a calibration_rounds.jsonl"):
         load_rounds(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.slow
+def test_a_killed_collection_resumes_where_it_stopped_and_refuses_other_settings(trained, one_torch_thread, tmp_path, monkeypatch):
+    """Rounds reach disk answer by answer: a collection cut after two answers, rerun on the same file, decodes only the
+    ones it lacks and ends with exactly the rounds of an uncut run; the same file under other decode settings is refused."""
+    import deepspec.eval.decode as decode
+    from deepspec.config import load_config
+    from deepspec.errors import ConfigError
+    from deepspec.eval.calibration import collect_rounds
+
+    _, ckpt, opts = trained
+    cfg = load_config(str(ckpt / "config.yaml"), opts + ["logging.wandb=false"])
+    whole = collect_rounds(cfg, ckpt, temperatures=(0.0,), rounds_path=tmp_path / "whole.jsonl")
+    n = len({r.answer for r in whole})
+    assert n > 2 and sorted({r.answer for r in whole}) == list(range(n))
+    assert load_rounds(tmp_path / "whole.jsonl") == whole
+
+    path = tmp_path / "cut.jsonl"
+    real, calls = decode.generate_speculative, []
+
+    def stop_after_two(*a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, between two answers' decodes
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode, "generate_speculative", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        collect_rounds(cfg, ckpt, temperatures=(0.0,), rounds_path=path)
+    assert {r.answer for r in load_rounds(path)} == {0, 1}
+    calls.clear()
+    monkeypatch.setattr(decode, "generate_speculative", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert collect_rounds(cfg, ckpt, temperatures=(0.0,), rounds_path=path) == whole and len(calls) == n - 2
+    other = load_config(str(ckpt / "config.yaml"), opts + ["logging.wandb=false", "eval.max_new_tokens=8"])
+    with pytest.raises(ConfigError, match="other settings"):
+        collect_rounds(other, ckpt, temperatures=(0.0,), rounds_path=path)

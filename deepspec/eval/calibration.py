@@ -317,13 +317,18 @@ def oracle_scores(rounds: Sequence[Round]) -> list[list[float]]:
 
 
 def collect_rounds(cfg, checkpoint_dir: str | Path, *, temperatures: Sequence[float] = (0.0, 1.0), device: str = "cpu",
-                   max_answers: int | None = None) -> list[Round]:
+                   max_answers: int | None = None, rounds_path: str | Path | None = None) -> list[Round]:
     """Decode the recipe's eval prompts (cfg.eval.tasks) with the evaluator's speculative loop at each temperature and
     record each round's confidence logits and outcome. The draft's confidence threshold is switched off meanwhile:
-    vLLM does not read it, so every slot is drafted and scored as the engine would."""
+    vLLM does not read it, so every slot is drafted and scored as the engine would.
+
+    With `rounds_path`, each answer's rounds are appended there as soon as it is decoded, and a rerun on the same
+    file (same checkpoint and decode settings, checked against its sidecar) decodes only the answers it lacks: on
+    CPU a collection takes most of an hour, and a crash or a kill should cost one answer, not all of them."""
     import torch
 
     from deepspec.data.chat import render_prompt
+    from deepspec.log import progress
     from deepspec.drafts.checkpoint import load_draft
     from deepspec.eval.decode import eos_token_ids, generate_speculative
     from deepspec.eval.runner import build_work, check_target_matches, checkpoint_provenance, first_messages, resolve_target_name
@@ -344,17 +349,45 @@ def collect_rounds(cfg, checkpoint_dir: str | Path, *, temperatures: Sequence[fl
     items, _ = build_work(cfg)
     prompts = [render_prompt(target.tokenizer, first_messages(it.row) + [{"role": "user", "content": it.row["turns"][0]}],
                              dict(cfg.target.chat_template_kwargs or {})) for it in items][:max_answers]
-    rounds: list[Round] = []
-    for temp in temperatures:
-        for i, prompt in enumerate(prompts):
-            def on_round(checked: int, accepted: int, i: int = i, temp: float = temp) -> None:
-                rounds.append(Round(list(draft.last_confidence_logits), checked, accepted, i, temp))
+    settings = {"checkpoint": str(Path(checkpoint_dir).resolve()), "prompts": len(prompts), "seed": cfg.eval.seed,
+                "max_new_tokens": cfg.eval.max_new_tokens, "num_draft_tokens": cfg.eval.num_draft_tokens,
+                "draft_sample_method": cfg.eval.draft_sample_method}
+    rounds = _resume_rounds(rounds_path, settings) if rounds_path is not None else []
+    done = {(r.temperature, r.answer) for r in rounds}
+    todo = [(t, i) for t in temperatures for i in range(len(prompts)) if (float(t), i) not in done]
+    for temp, i in progress(todo, desc="calibration answers", unit="answer"):
+        got: list[Round] = []
 
-            gen = torch.Generator(device=device).manual_seed(cfg.eval.seed + i)
-            generate_speculative(target.model, proposer, list(draft.taps), prompt, max_new_tokens=cfg.eval.max_new_tokens,
-                                 num_draft_tokens=cfg.eval.num_draft_tokens, temperature=temp, eos_ids=eos, generator=gen,
-                                 draft_sample_method=cfg.eval.draft_sample_method, on_round=on_round)
-    return rounds
+        def on_round(checked: int, accepted: int, i: int = i, temp: float = temp) -> None:
+            got.append(Round(list(draft.last_confidence_logits), checked, accepted, i, float(temp)))
+
+        gen = torch.Generator(device=device).manual_seed(cfg.eval.seed + i)
+        generate_speculative(target.model, proposer, list(draft.taps), prompts[i], max_new_tokens=cfg.eval.max_new_tokens,
+                             num_draft_tokens=cfg.eval.num_draft_tokens, temperature=temp, eos_ids=eos, generator=gen,
+                             draft_sample_method=cfg.eval.draft_sample_method, on_round=on_round)
+        rounds.extend(got)
+        if rounds_path is not None:
+            with open(rounds_path, "a") as f:  # one write per answer: the file only ever holds whole answers
+                f.write("".join(json.dumps(asdict(r)) + "\n" for r in got))
+    keep = {float(t) for t in temperatures}
+    return sorted((r for r in rounds if r.temperature in keep), key=lambda r: (r.temperature, r.answer))
+
+
+def _resume_rounds(path: str | Path, settings: dict[str, Any]) -> list[Round]:
+    """The rounds a previous collection with the same `settings` left in `path` (none when it is new); a file written
+    with other settings is refused rather than mixed in."""
+    path = Path(path)
+    meta = path.with_name(path.name + ".settings.json")
+    if path.is_file() and path.stat().st_size:
+        old = json.loads(meta.read_text()) if meta.is_file() else None
+        if old != settings:
+            raise ConfigError(f"{path} holds rounds collected with other settings ({old} vs {settings}); delete it or "
+                              "choose another --out to collect afresh.")
+        return load_rounds(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    meta.write_text(json.dumps(settings, indent=2))
+    return []
 
 
 # ----------------------------------------------------------------------------------------- the report
@@ -474,11 +507,14 @@ def calibrate(cfg, checkpoint_dir: str | Path, out_dir: str | Path, *, temperatu
               bins: int = DEFAULT_BINS, batch_size: int = 8, budgets_per_request: Sequence[float] = (1.0, 2.0, 3.0, 4.0),
               max_answers: int | None = None, device: str = "cpu", rounds: Sequence[Round] | None = None) -> dict[str, Any]:
     """Collect (unless `rounds` are given), fit, evaluate and write calibration.json + calibration.png, and the rounds
-    (calibration_rounds.jsonl, for a refit without decoding), for a DSpark checkpoint; returns the report."""
-    if rounds is None:
-        rounds = collect_rounds(cfg, checkpoint_dir, temperatures=temperatures, device=device, max_answers=max_answers)
+    (calibration_rounds.jsonl, for a refit without decoding), for a DSpark checkpoint; returns the report. The rounds
+    are written answer by answer as they are decoded, and a rerun into the same `out_dir` resumes the collection."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    save_rounds(rounds, Path(out_dir) / ROUNDS_FILE)
+    if rounds is None:
+        rounds = collect_rounds(cfg, checkpoint_dir, temperatures=temperatures, device=device, max_answers=max_answers,
+                                rounds_path=Path(out_dir) / ROUNDS_FILE)
+    else:
+        save_rounds(rounds, Path(out_dir) / ROUNDS_FILE)
     report = calibration_report(rounds, bins=bins, batch_size=batch_size, budgets_per_request=budgets_per_request)
     write_calibration(report, out_dir)
     return json.loads((Path(out_dir) / "calibration.json").read_text())
