@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _emit import emit_json  # noqa: E402
 
 
 def _copy_head(src: Path, dst: Path, n: int | None) -> int:
@@ -122,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             "audit_share_of_build": round(audit_s / build_s, 4),
         }
         shutil.rmtree(tmp / "cache", ignore_errors=True)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit_json(res, args.out)
     return 0
 
 

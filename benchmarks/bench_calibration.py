@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _emit import emit_json  # noqa: E402
 
 
 def smoke_checkpoint(root: Path) -> tuple[Path, list[str]]:
@@ -121,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         "png_written": (out_dir / "calibration.png").is_file(), "rounds": args.rounds}
         res["eval"] = {"tasks": list(cfg.eval.tasks), "max_samples": cfg.eval.max_samples, "max_new_tokens": cfg.eval.max_new_tokens,
                        "num_draft_tokens": cfg.eval.num_draft_tokens, "draft_sample_method": cfg.eval.draft_sample_method}
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit_json(res, args.out)
     return 0
 
 

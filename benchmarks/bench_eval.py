@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _emit import emit_json  # noqa: E402
+
 
 def random_checkpoint(algo: str, out: Path) -> Path:
     """An untrained draft for the embedded target (tau ~ 1: shows the cost of drafting + verifying)."""
@@ -111,12 +113,7 @@ def measure(args) -> int:
         "temperature": args.temperature, "device": res["meta"]["devices"][0], "torch_threads": __import__("torch").get_num_threads(),
         "wall_seconds": time.time() - t0,
     }
-    from deepspec.eval.report import _json_safe
-
-    text = json.dumps(_json_safe(out), indent=2)  # NaN (never-reached depths) -> null
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit_json(out, args.out)
     return 0
 
 

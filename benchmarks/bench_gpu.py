@@ -271,13 +271,13 @@ def main() -> int:
         "train": [], "eval": [], "skipped": [],
     }
 
-    from deepspec.eval.report import _json_safe
+    from deepspec.eval.report import json_safe
 
     out = Path(args.out) if args.out else None
 
     def line(obj: dict) -> None:
         """One JSON line to stdout and --out, on disk before anything else runs."""
-        text = json.dumps(_json_safe(obj), default=str)  # NaN (never-reached depths) -> null
+        text = json.dumps(json_safe(obj), default=str)  # NaN (never-reached depths) -> null
         print(text, flush=True)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)

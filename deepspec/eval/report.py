@@ -19,14 +19,14 @@ from deepspec.results import length_rows, length_table, overall_rows, served_ver
 log = get_logger(__name__)
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """NaN is not JSON: write null instead."""
     if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
         return None
     if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -188,7 +188,7 @@ def write_reports(results: dict[str, Any], out_dir: str | Path) -> dict[str, Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "acceptance.png"}
-    for key, text in (("json", json.dumps(_json_safe(results), indent=2) + "\n"), ("md", markdown(results))):
+    for key, text in (("json", json.dumps(json_safe(results), indent=2) + "\n"), ("md", markdown(results))):
         tmp = paths[key].with_suffix(paths[key].suffix + ".tmp")
         tmp.write_text(text)
         tmp.replace(paths[key])
