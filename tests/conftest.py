@@ -14,6 +14,35 @@ os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pin_worker_cores(env=os.environ) -> list[int] | None:
+    """Give each parallel test process (pytest-xdist worker) cores of its own: worker i of n takes the i-th n-th of the
+    usable cores, and every process it starts (vLLM servers, torchrun ranks, cache workers) inherits that set, so their
+    thread counts (deepspec/cpus.py, vLLM's thread binding, OpenMP) follow it. Without this each of two workers sizes
+    its threads for the whole machine and their spinning OpenMP threads fight: two matmul-bound processes on 2 cores
+    did 25% less work with 2 threads each than with 1. No pinning in one process, with fewer cores than workers, or
+    with DEEPSPEC_TEST_PIN=0. Returns the cores taken (None: not pinned)."""
+    worker, count = env.get("PYTEST_XDIST_WORKER", ""), int(env.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count < 2 or env.get("DEEPSPEC_TEST_PIN", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+        return None
+    from deepspec.cpus import usable_cpus
+
+    cores, i = usable_cpus(), int(worker[2:])
+    per = len(cores) // count
+    if per < 1 or i >= count:
+        return None
+    mine = cores[i * per : (i + 1) * per]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # children size OpenMP from it; affinity alone is not read by all
+    import torch
+
+    torch.set_num_threads(len(mine))
+    return mine
+
+
+def pytest_configure(config):
+    pin_worker_cores()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded target as an HF folder (converted once per machine)."""

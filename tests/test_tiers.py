@@ -57,3 +57,45 @@ def test_outside_ci_a_skip_is_a_skip(sample_suite):
     r = _run(sample_suite, "")
     assert r.returncode == 0, r.stdout
     assert "1 passed, 2 skipped" in r.stdout, r.stdout
+
+
+PIN = '''
+import json, os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from conftest import pin_worker_cores
+env = {"PYTEST_XDIST_WORKER": sys.argv[2], "PYTEST_XDIST_WORKER_COUNT": sys.argv[3]}
+got = pin_worker_cores(env)
+import torch
+child = subprocess.run([sys.executable, "-c", "from deepspec.cpus import usable_cpus; import torch; print(usable_cpus(), torch.get_num_threads())"],
+                       capture_output=True, text=True).stdout.split(" ", 1) if got else None
+print(json.dumps({"got": got, "now": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), "child": child}))
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_parallel_workers_take_disjoint_cores_and_their_children_inherit_them():
+    """pin_worker_cores (tests/conftest.py): worker i of n takes the i-th n-th of the usable cores, sets torch's threads
+    to that many, and a process it starts sees the same cores and sizes its threads from them; one process alone, or
+    more workers than cores, is not pinned."""
+    import json
+
+    from deepspec.cpus import usable_cpus
+
+    cores = usable_cpus()
+
+    def pin(worker: str, count: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", PIN, str(HERE), worker, str(count)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    if len(cores) >= 2:
+        per = len(cores) // 2
+        first, second = pin("gw0", 2), pin("gw1", 2)
+        assert first["got"] == first["now"] == cores[:per] and second["got"] == second["now"] == cores[per : 2 * per]
+        assert not set(first["got"]) & set(second["got"])
+        for r in (first, second):
+            assert r["threads"] == per and r["child"] == [str(r["got"]), f"{per}\n"], r
+    lone = pin("gw0", 1)
+    assert lone["got"] is None and lone["now"] == cores
+    crowd = pin("gw0", len(cores) + 1)
+    assert crowd["got"] is None and crowd["now"] == cores
