@@ -9,9 +9,10 @@ The embedded SmolLM2 target and the quickstart's EAGLE-3 recipe (fp32 training, 
 Conversations as in bench_cache.py (prompt texts as stand-in answers: speed depends on lengths). The offline run
 builds its cache first (timed apart) and trains from it; the streamed run trains while one producer
 (`deepspec data stream`) captures the same samples into a spool capped at --spool-gb. A producer has a device of
-its own in a real deployment, so on a CPU machine the trainer runs on core 0 and the producer on core 1 (both runs
-train on core 0; the cache build runs on core 1, as the producer does). Both runs read through the loader thread, two
-micro-batches ahead (a streamed run's default; an offline run on a CPU reads inline unless told). Needs >= 2 cores.
+its own in a real deployment, so on a CPU machine the trainer runs on the first usable core and the producer on the last
+(both runs train on the first; the cache build runs on the last, as the producer does). Both runs read through the
+loader thread, two micro-batches ahead (a streamed run's default; an offline run on a CPU reads inline unless told).
+Needs >= 2 cores; --smoke, a check of the code path and no measurement, shares one core where it has only one.
 
   offline.tokens_per_s / stream.tokens_per_s   supervised + prompt tokens trained per second of training wall time
   stream.vs_offline                            their ratio (>= 0.8 is the target while producers keep up)
@@ -84,8 +85,10 @@ def main() -> int:
     if args.smoke:
         args.samples, args.steps, args.max_length, args.transports = 8, 2, 192, ["file"]
     os.environ.update(DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DEEPSPEC_CACHE_DEVICE="cpu")
-    if len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("bench_stream.py needs 2 cores: the producer and the trainer each get one.")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 and not args.smoke:
+        raise SystemExit(f"bench_stream.py needs 2 cores (the producer and the trainer each get one); this process may use {cores}.")
+    args.trainer_core, args.producer_core = cores[0], cores[-1]
     import torch
 
     from bench_cache import write_conversations
@@ -94,7 +97,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     out: dict = {**({"smoke": True} if args.smoke else {}), "target": "tiny random llama" if args.smoke else "smollm2-135m-instruct", "draft": "eagle3 (config/quickstart/eagle3.yaml)", "samples": args.samples,
-                 "max_length": args.max_length, "steps": args.steps, "global_batch": 4, "machine": "CPU, trainer core 0, producer core 1"}
+                 "max_length": args.max_length, "steps": args.steps, "global_batch": 4, "machine": f"CPU, trainer core {args.trainer_core}, producer core {args.producer_core}"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
@@ -102,13 +105,13 @@ def main() -> int:
         recipe = _recipe(root, args)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
-        t0 = time.perf_counter()  # the offline cache, built on core 1 as the producer runs there
-        built = subprocess.run(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "cache", str(recipe), "--split",
+        t0 = time.perf_counter()  # the offline cache, built on the producer's core
+        built = subprocess.run(["taskset", "-c", str(args.producer_core), sys.executable, "-m", "deepspec.cli", "data", "cache", str(recipe), "--split",
                                 "train"], env=env, capture_output=True, text=True)
         if built.returncode != 0:
             raise SystemExit(f"the offline cache build failed:\n{built.stderr[-3000:]}")
         build_s = time.perf_counter() - t0
-        os.sched_setaffinity(0, {0})
+        os.sched_setaffinity(0, {args.trainer_core})
         cfg = load_config(recipe)
         t0 = time.perf_counter()
         train(cfg)
@@ -116,14 +119,14 @@ def main() -> int:
 
         for transport in args.transports:
             key = "stream" if transport == "file" else f"stream_{transport}"
-            with _transport(transport, root) as extra:
+            with _transport(transport, root, args.producer_core) as extra:
                 out[key] = _streamed(recipe, [f"exp={key}", "cache.mode=stream", *extra], env, args, out["offline"])
     print(json.dumps(out))
     return 0
 
 
 @contextlib.contextmanager
-def _transport(transport: str, root: Path):
+def _transport(transport: str, root: Path, core: int):
     """The --opts of a transport; for mooncake, a master with its metadata service on 127.0.0.1 while the run lasts."""
     if transport == "file":
         yield []
@@ -136,7 +139,7 @@ def _transport(transport: str, root: Path):
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     with open(root / "mooncake_master.log", "w") as log:
-        master = subprocess.Popen(["taskset", "-c", "1", "bash", str(REPO / "scripts/data/mooncake_master.sh"), "--host", "127.0.0.1",
+        master = subprocess.Popen(["taskset", "-c", str(core), "bash", str(REPO / "scripts/data/mooncake_master.sh"), "--host", "127.0.0.1",
                                    "--port", str(ports[0]), "--metadata-port", str(ports[1]), "--metrics-port", str(ports[2])],
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -149,13 +152,13 @@ def _transport(transport: str, root: Path):
 
 
 def _streamed(recipe: Path, opts: list[str], env: dict, args, off: dict) -> dict:
-    """One streamed run: the trainer here (core 0), one producer on core 1."""
+    """One streamed run: the trainer here (its core), one producer on the producer's core."""
     from deepspec.config import load_config
     from deepspec.data.stream.spool import spool_dir
     from deepspec.train import train
 
     cfg = load_config(recipe, opts)
-    producer = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe),
+    producer = subprocess.Popen(["taskset", "-c", str(args.producer_core), sys.executable, "-m", "deepspec.cli", "data", "stream", str(recipe),
                                  "--opts", *opts], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.perf_counter()

@@ -21,4 +21,4 @@ PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
   PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # our module order (tests/conftest.py), not by size
 fi
-exec "$ROOT/.venv/bin/python" -m pytest -q -ra --timeout=1800 --durations=25 "${PARALLEL[@]}" "${TIER[@]}" "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -q -ra --timeout=1800 --durations=40 "${PARALLEL[@]}" "${TIER[@]}" "$@"
