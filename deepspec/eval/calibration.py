@@ -354,7 +354,9 @@ def collect_rounds(cfg, checkpoint_dir: str | Path, *, temperatures: Sequence[fl
                 "draft_sample_method": cfg.eval.draft_sample_method}
     rounds = _resume_rounds(rounds_path, settings) if rounds_path is not None else []
     done = {(r.temperature, r.answer) for r in rounds}
-    todo = [(t, i) for t in temperatures for i in range(len(prompts)) if (float(t), i) not in done]
+    # answer by answer, every temperature of an answer before the next: a collection stopped early still has both
+    # temperatures on the same answers
+    todo = [(t, i) for i in range(len(prompts)) for t in temperatures if (float(t), i) not in done]
     for temp, i in progress(todo, desc="calibration answers", unit="answer"):
         got: list[Round] = []
 
