@@ -155,7 +155,22 @@ def test_the_export_bakes_the_global_scaling_and_records_the_per_position_fit(ba
     rec = json.loads((out / "config.json").read_text())["deepspec"]["confidence_calibration"]
     assert rec["baked"] == {"a": a, "b": b, "temperature": 0.0}
     assert rec["per_position_not_baked"]["a"] == cal["temperatures"]["0"]["scaling"]["a"]
-    assert "## Confidence calibration" in (out / "README.md").read_text()
+    assert rec["method"] == cal["temperatures"]["0"]["scaling"]["method"]
+    card = (out / "README.md").read_text()
+    assert "## Confidence calibration" in card and f"sigmoid({a:.4f}·z {b:+.4f})" in card and "exported as trained" not in card
+
+
+def test_a_calibration_that_kept_the_raw_head_says_so_in_the_model_card():
+    """Cross-validation kept the raw head (baked pair (1, 0)): the card says the head is exported as trained and names
+    the pair that did not beat it, instead of printing an identity scaling as if it were a calibration."""
+    from deepspec.export.writers import calibration_card
+
+    rec = {"baked": {"a": 1.0, "b": 0.0, "temperature": 0.0}, "method": "identity", "global_fit": [0.93, -0.11],
+           "per_position_not_baked": {"a": [1.0, 1.0], "b": [0.0, 0.0]}, "ece_bins": 10, "ece_raw": [0.02, 0.03],
+           "ece_global_only": [0.02, 0.03], "ece_per_position_calibrated": [0.02, 0.03]}
+    card = calibration_card(rec)
+    assert "exported as trained" in card and "sigmoid(0.9300·z -0.1100)" in card and "sigmoid(1.0000" not in card
+    assert "identity" in card
 
 
 def test_a_file_that_is_not_a_calibration_is_refused(tmp_path):

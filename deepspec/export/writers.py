@@ -248,8 +248,10 @@ def calibration_record(calib: dict[str, Any]) -> dict[str, Any]:
     engine cannot apply), with the evaluation split's ECE, so nothing is dropped silently."""
     bake = calib["bake"]
     per = calib["temperatures"][f"{bake['temperature']:g}"]
+    sc = per["scaling"]
     return {"baked": {"a": bake["a"], "b": bake["b"], "temperature": bake["temperature"]},
-            "per_position_not_baked": {"a": per["scaling"]["a"], "b": per["scaling"]["b"]},
+            "method": sc.get("method", "per_position"), "global_fit": sc.get("global_fit"),
+            "per_position_not_baked": {"a": sc["a"], "b": sc["b"]},
             "ece_bins": calib["bins"], "ece_raw": per["ece_raw"], "ece_global_only": per["ece_global_only"],
             "ece_per_position_calibrated": per["ece_calibrated"]}
 
@@ -258,10 +260,17 @@ def calibration_card(rec: dict[str, Any]) -> str:
     """The model card's section on the confidence calibration (README.md)."""
     b = rec["baked"]
     pos = ", ".join(f"{a:.3f}·z{bb:+.3f}" for a, bb in zip(rec["per_position_not_baked"]["a"], rec["per_position_not_baked"]["b"]))
-    return (f"\n## Confidence calibration\n\nThe confidence head's weights include a global temperature scaling "
-            f"sigmoid({b['a']:.4f}·z {b['b']:+.4f}) fitted at T = {b['temperature']:g} (raw z = the trained head's logit): "
-            f"vLLM's adaptive verification reads these calibrated values. The per-position fit ({pos}, position 1 first) "
-            f"cannot be carried by vLLM's shared head and is recorded in config.json (`deepspec.confidence_calibration`). "
+    if (b["a"], b["b"]) == (1.0, 0.0):  # cross-validation kept the raw head: say so rather than print an identity pair
+        fit = rec.get("global_fit")
+        head = (f"The confidence head is exported as trained: calibrated at T = {b['temperature']:g}, no global scaling beat "
+                f"the raw head on held-out answers" + (f" (the fitted pair would have been sigmoid({fit[0]:.4f}·z {fit[1]:+.4f}))" if fit else "")
+                + ", so vLLM's adaptive verification reads the raw values. ")
+    else:
+        head = (f"The confidence head's weights include a global temperature scaling sigmoid({b['a']:.4f}·z {b['b']:+.4f}) "
+                f"fitted at T = {b['temperature']:g} (raw z = the trained head's logit): vLLM's adaptive verification reads "
+                f"these calibrated values. ")
+    return (f"\n## Confidence calibration\n\n{head}The per-position fit ({rec.get('method', 'per_position')}: {pos}, "
+            f"position 1 first) cannot be carried by vLLM's shared head and is recorded in config.json (`deepspec.confidence_calibration`). "
             f"ECE ({rec['ece_bins']} equal-mass bins) per position, raw: {rec['ece_raw']}; baked global: "
             f"{rec['ece_global_only']}; per-position: {rec['ece_per_position_calibrated']}.\n")
 
