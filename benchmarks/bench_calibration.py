@@ -63,7 +63,7 @@ def summary(report: dict, checkpoint: Path, mode: str) -> dict:
             "rounds": v["rounds"], "pairs_per_position_eval": v["pairs_per_position"]["eval"],
             "acceptance_observed": v["acceptance_observed"], "mean_confidence_raw": v["mean_confidence_raw"],
             "ece_raw": v["ece_raw"], "ece_calibrated": v["ece_calibrated"], "ece_global_only": v["ece_global_only"],
-            "ece_all_positions": v["ece_all_positions"],
+            "ece_global_fit": v["ece_global_fit"], "ece_all_positions": v["ece_all_positions"], "with_pair_of": v["with_pair_of"],
             "scaling": {k: v["scaling"][k] for k in ("a", "b", "global_a", "global_b", "fallback", "method", "shrinkage",
                                                       "global_fit", "cv_nll", "cv_answers")},
             "admission_replay": v["admission_replay"],
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="concurrent requests per replayed engine step")
     p.add_argument("--budgets", default="1,2,3,4", help="draft slots per request the replayed steps may verify")
     p.add_argument("--rounds", default=None, help="with --checkpoint: refit from the calibration_rounds.jsonl a run wrote, without decoding")
+    p.add_argument("--bake-temperature", type=float, default=None,
+                   help="the temperature whose global pair calibration.json marks for baking (default: the highest measured)")
     p.add_argument("--out", default=None, help="also write the JSON here (calibration.json/png go beside the checkpoint's eval)")
     args = p.parse_args(argv)
     os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(tmp) / "calibration" if args.smoke or args.rounds else Path(ckpt) / "eval"
         report = calibrate(cfg, ckpt, out_dir, temperatures=[float(t) for t in args.temperatures.split(",")], bins=args.bins,
                            batch_size=args.batch_size, budgets_per_request=[float(b) for b in args.budgets.split(",")],
-                           rounds=load_rounds(args.rounds) if args.rounds else None)
+                           rounds=load_rounds(args.rounds) if args.rounds else None, bake_temperature=args.bake_temperature)
         res = summary(report, Path(ckpt), mode)
         res["files"] = {"json": str(out_dir / "calibration.json"), "png": str(out_dir / "calibration.png"),
                         "png_written": (out_dir / "calibration.png").is_file(), "rounds": args.rounds}

@@ -410,3 +410,39 @@ def test_a_killed_collection_resumes_where_it_stopped_and_refuses_other_settings
     other = load_config(str(ckpt / "config.yaml"), opts + ["logging.wandb=false", "eval.max_new_tokens=8"])
     with pytest.raises(ConfigError, match="other settings"):
         collect_rounds(other, ckpt, temperatures=(0.0,), rounds_path=path)
+
+
+def test_the_baked_pair_is_the_one_fitted_at_the_temperature_asked_for(tmp_path):
+    """Heads are calibrated per temperature (on the quickstart's DSpark the two fits point opposite ways), so the pair an
+    export bakes is chosen: by default the highest temperature measured, else `--bake-temperature`; a temperature that
+    was not measured is refused."""
+    import dataclasses
+
+    from deepspec.errors import ConfigError
+    from deepspec.eval.calibration import calibrate, main
+
+    cold = _synthetic_rounds(2000, 3, [0.4] * 3, [0.2] * 3)
+    hot = [dataclasses.replace(r, temperature=1.0) for r in _synthetic_rounds(2000, 3, [0.25] * 3, [-0.5] * 3, seed=1)]
+    both = cold + hot
+    default = calibrate(None, None, tmp_path / "default", rounds=both)
+    assert default["bake"]["temperature"] == 1.0
+    assert (default["bake"]["a"], default["bake"]["b"]) == (default["temperatures"]["1"]["scaling"]["global_a"],
+                                                            default["temperatures"]["1"]["scaling"]["global_b"])
+    # each temperature's pair is also priced on the other's evaluation split (a head baked at T = 1 served at T = 0)
+    for t, other in (("0", "1"), ("1", "0")):
+        cross, own = default["temperatures"][t]["with_pair_of"][other], default["temperatures"][t]
+        assert cross["pair"] == [default["temperatures"][other]["scaling"]["global_a"], default["temperatures"][other]["scaling"]["global_b"]]
+        assert [r["raw"] for r in cross["accepted_per_verified_slot"]] == [r["raw"]["accepted_per_verified_slot"] for r in own["admission_replay"]["rows"]]
+        assert cross["ece_all_positions"] > own["ece_all_positions"]["global_only"]  # the other temperature's pair fits worse
+        assert own["ece_global_fit"] == own["ece_global_only"] and own["scaling"]["method"] != "identity"
+    cold_bake = calibrate(None, None, tmp_path / "cold", rounds=both, bake_temperature=0.0)["bake"]
+    assert cold_bake["temperature"] == 0.0 and cold_bake["a"] == pytest.approx(0.4, abs=0.08) and default["bake"]["a"] == pytest.approx(0.25, abs=0.08)
+    with pytest.raises(ConfigError, match="No calibration at temperature 0.5"):
+        calibrate(None, None, tmp_path / "none", rounds=both, bake_temperature=0.5)
+    # the command line: a refit from saved rounds, baked at T = 0
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text("project: cal\n")
+    save_rounds(both, tmp_path / "rounds.jsonl")
+    main([str(ckpt), "--out", str(tmp_path / "cli"), "--rounds", str(tmp_path / "rounds.jsonl"), "--bake-temperature", "0"])
+    assert json.loads((tmp_path / "cli" / "calibration.json").read_text())["bake"] == cold_bake

@@ -403,7 +403,9 @@ def split_by_answer(rounds: Sequence[Round]) -> tuple[list[Round], list[Round]]:
 def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bias: bool = True, batch_size: int = 8,
                        budgets_per_request: Sequence[float] = (1.0, 2.0, 3.0, 4.0)) -> dict[str, Any]:
     """Per temperature: the fitted scaling, per-position ECE before / after on the evaluation split, and the admission
-    replay (raw / calibrated / oracle) over the evaluation split's rounds."""
+    replay (raw / calibrated / global only / global fit / oracle) over the evaluation split's rounds; `global_fit` is
+    the fitted global pair taken regardless of the selection, and `with_pair_of` the other temperatures' baked pairs
+    on this one's evaluation split."""
     out: dict[str, Any] = {"bins": bins, "binning": "equal-mass", "label": "conditional acceptance (draft k | drafts < k accepted)",
                            "split": "fit on even answers, evaluated on odd answers",
                            "selection": f"identity / global / per-position shrunk by pseudo-counts {list(SHRINKAGE)}: the simplest "
@@ -420,9 +422,12 @@ def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bia
         ze, ye, pe = pairs(eval_r)
         raw_p, cal_p = sigmoid(ze), sc.apply(ze, pe)
         glob_p = sigmoid(sc.global_a * ze + sc.global_b)
+        fa, fb = sc.global_fit
+        fit_p = sigmoid(fa * ze + fb)
         raw_scores = [list(sigmoid(np.asarray(r.logits))) for r in eval_r]
         cal_scores = [list(sc.apply(np.asarray(r.logits), np.arange(len(r.logits)))) for r in eval_r]
         glob_scores = [list(sigmoid(sc.global_a * np.asarray(r.logits) + sc.global_b)) for r in eval_r]
+        fit_scores = [list(sigmoid(fa * np.asarray(r.logits) + fb)) for r in eval_r]
         out["temperatures"][f"{temp:g}"] = {
             "rounds": {"fit": len(fit_r), "eval": len(eval_r)},
             "pairs_per_position": {"fit": [int((pf == j).sum()) for j in range(k)], "eval": [int((pe == j).sum()) for j in range(k)]},
@@ -430,16 +435,41 @@ def calibration_report(rounds: Sequence[Round], *, bins: int = DEFAULT_BINS, bia
             "ece_raw": ece_per_position(raw_p, ye, pe, k, bins),
             "ece_calibrated": ece_per_position(cal_p, ye, pe, k, bins),
             "ece_global_only": ece_per_position(glob_p, ye, pe, k, bins),
+            # the fitted global pair whether or not the selection took it: what taking it regardless would have given
+            "ece_global_fit": ece_per_position(fit_p, ye, pe, k, bins),
             "ece_all_positions": {"raw": round(ece(raw_p, ye, bins), 5), "calibrated": round(ece(cal_p, ye, bins), 5),
-                                  "global_only": round(ece(glob_p, ye, bins), 5)},
+                                  "global_only": round(ece(glob_p, ye, bins), 5), "global_fit": round(ece(fit_p, ye, bins), 5)},
             "mean_confidence_raw": [None if not (pe == j).any() else round(float(raw_p[pe == j].mean()), 5) for j in range(k)],
             "acceptance_observed": [None if not (pe == j).any() else round(float(ye[pe == j].mean()), 5) for j in range(k)],
             "admission_replay": {"batch_size": batch_size, "rows": replay_table(
-                eval_r, {"raw": raw_scores, "calibrated": cal_scores, "global_only": glob_scores, "oracle": oracle_scores(eval_r)},
+                eval_r, {"raw": raw_scores, "calibrated": cal_scores, "global_only": glob_scores, "global_fit": fit_scores,
+                         "oracle": oracle_scores(eval_r)},
                 batch_size=batch_size, budgets_per_request=budgets_per_request)},
             "_plot": (raw_p, cal_p, ye),
+            "_eval": eval_r,
         }
+    _cross_temperature(out["temperatures"], bins, batch_size, budgets_per_request)
     return out
+
+
+def _cross_temperature(temps: dict[str, Any], bins: int, batch_size: int, budgets: Sequence[float]) -> None:
+    """Each temperature's baked pair applied to every other temperature's evaluation split (`with_pair_of`): an export
+    bakes one pair, and the server may sample at another temperature than it was fitted at."""
+    for name, t in temps.items():
+        eval_r = t["_eval"]
+        ze, ye, _ = pairs(eval_r)
+        t["with_pair_of"] = {}
+        for other, o in temps.items():
+            if other == name:
+                continue
+            a, b = o["scaling"]["global_a"], o["scaling"]["global_b"]
+            rows = replay_table(eval_r, {"raw": [list(sigmoid(np.asarray(r.logits))) for r in eval_r],
+                                         "pair": [list(sigmoid(a * np.asarray(r.logits) + b)) for r in eval_r]},
+                                batch_size=batch_size, budgets_per_request=budgets)
+            t["with_pair_of"][other] = {"pair": [a, b], "ece_all_positions": round(ece(sigmoid(a * ze + b), ye, bins), 5),
+                                        "accepted_per_verified_slot": [{"budget_per_request": r["budget_per_request"],
+                                                                        "raw": r["raw"]["accepted_per_verified_slot"],
+                                                                        "pair": r["pair"]["accepted_per_verified_slot"]} for r in rows]}
 
 
 def plot_reliability(report: dict[str, Any], path: Path, bins: int = DEFAULT_BINS) -> Path | None:
@@ -481,7 +511,7 @@ def write_calibration(report: dict[str, Any], out_dir: str | Path, bake_temperat
     key = f"{bake_temperature:g}" if bake_temperature is not None else max(temps, key=float)
     if key not in temps:
         raise ConfigError(f"No calibration at temperature {key}; measured: {', '.join(temps)}.")
-    clean = {**report, "temperatures": {k: {kk: vv for kk, vv in v.items() if kk != "_plot"} for k, v in temps.items()}}
+    clean = {**report, "temperatures": {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in temps.items()}}
     clean["bake"] = {"temperature": float(key), "a": temps[key]["scaling"]["global_a"], "b": temps[key]["scaling"]["global_b"]}
     (out / "calibration.json").write_text(json.dumps(clean, indent=2))
     return {"json": out / "calibration.json", **({"png": png} if png else {})}
@@ -507,7 +537,8 @@ def load_rounds(path: str | Path) -> list[Round]:
 
 def calibrate(cfg, checkpoint_dir: str | Path, out_dir: str | Path, *, temperatures: Sequence[float] = (0.0, 1.0),
               bins: int = DEFAULT_BINS, batch_size: int = 8, budgets_per_request: Sequence[float] = (1.0, 2.0, 3.0, 4.0),
-              max_answers: int | None = None, device: str = "cpu", rounds: Sequence[Round] | None = None) -> dict[str, Any]:
+              max_answers: int | None = None, device: str = "cpu", rounds: Sequence[Round] | None = None,
+              bake_temperature: float | None = None) -> dict[str, Any]:
     """Collect (unless `rounds` are given), fit, evaluate and write calibration.json + calibration.png, and the rounds
     (calibration_rounds.jsonl, for a refit without decoding), for a DSpark checkpoint; returns the report. The rounds
     are written answer by answer as they are decoded, and a rerun into the same `out_dir` resumes the collection."""
@@ -518,7 +549,7 @@ def calibrate(cfg, checkpoint_dir: str | Path, out_dir: str | Path, *, temperatu
     else:
         save_rounds(rounds, Path(out_dir) / ROUNDS_FILE)
     report = calibration_report(rounds, bins=bins, batch_size=batch_size, budgets_per_request=budgets_per_request)
-    write_calibration(report, out_dir)
+    write_calibration(report, out_dir, bake_temperature)
     return json.loads((Path(out_dir) / "calibration.json").read_text())
 
 
@@ -534,12 +565,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
     ap.add_argument("--rounds", help=f"refit from a {ROUNDS_FILE} an earlier run wrote instead of decoding again")
+    ap.add_argument("--bake-temperature", type=float, default=None,
+                    help="the temperature whose global pair an export bakes: the one you serve at (default: the highest measured)")
     ap.add_argument("--opts", nargs="*", default=[])
     a = ap.parse_args(argv)
     ckpt = Path(a.checkpoint)
     cfg = load_config(str(ckpt / "config.yaml"), list(a.opts))
     rep = calibrate(cfg, ckpt, a.out or ckpt / "eval", temperatures=[float(t) for t in a.temperatures.split(",")], bins=a.bins,
-                    rounds=load_rounds(a.rounds) if a.rounds else None)
+                    rounds=load_rounds(a.rounds) if a.rounds else None, bake_temperature=a.bake_temperature)
     print(json.dumps({t: v["ece_all_positions"] for t, v in rep["temperatures"].items()}))
 
 
