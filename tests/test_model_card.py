@@ -79,6 +79,14 @@ def test_card_reports_the_checkpoints_own_eval_and_served_figures(tmp_path):
     assert "| Training samples / loss tokens (cache manifest) | 1234 / 56789 |" in card
     assert '"method":"dflash","model":"out","num_speculative_tokens":3' in card  # the training block
     assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 4" in card
+    # the upload carries the remote code its auto_map names (a downloaded DFlash draft loads with trust_remote_code),
+    # and leaves out the served-acceptance contract (it holds the eval prompts)
+    from deepspec.export.hub import upload_files
+
+    out = tmp_path / "out"
+    auto = json.loads((out / "config.json").read_text())["auto_map"]["AutoModel"]
+    assert f"{auto.split('.')[0]}.py" in upload_files(out) and (out / "served_contract.json").is_file()
+    assert upload_files(out) == sorted(p.name for p in out.iterdir() if p.is_file() and p.name != "served_contract.json")
 
 
 def test_card_names_an_engine_that_cannot_serve_the_draft(tmp_path):
@@ -105,13 +113,14 @@ def test_push_to_hub_uploads_the_export_folder(tmp_path):
 
     out = export_draft(_ckpt(tmp_path), tmp_path / "out", "vllm")
     (out / "notes.tmp").write_text("not part of the export")
-    assert upload_files(out) == ["README.md", "config.json", "deepspec_config.yaml", "model.safetensors"]
+    assert upload_files(out) == ["README.md", "config.json", "deepspec_config.yaml", "model.safetensors"]  # no contract: eval prompts
     api = _FakeApi()
     assert push_to_hub(out, "me/tiny-eagle3", private=True, api=api) == "https://example.invalid/commit/1"
     (name1, create), (name2, upload) = api.calls
     assert name1 == "create_repo" and create == {"repo_id": "me/tiny-eagle3", "repo_type": "model", "private": True, "exist_ok": True}
     assert name2 == "upload_folder" and upload["folder_path"] == str(out) and upload["repo_id"] == "me/tiny-eagle3"
-    assert set(upload["allow_patterns"]) == {"README.md", "config.json", "deepspec_config.yaml", "model.safetensors"}
+    assert set(upload["allow_patterns"]) == {"README.md", "config.json", "deepspec_config.yaml", "model.safetensors",
+                                             "modeling_deepspec_dflash.py"}
     with pytest.raises(ConfigError, match="OWNER/NAME"):
         push_to_hub(out, "no-owner", api=api)
     with pytest.raises(ConfigError, match="not an export"):

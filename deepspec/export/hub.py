@@ -1,4 +1,5 @@
-"""`deepspec export --push-to-hub REPO_ID`: upload an export folder (weights, config.json, README.md model card)."""
+"""`deepspec export --push-to-hub REPO_ID`: upload an export folder (weights, config.json, README.md model card and
+any code the export ships)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ from typing import Any
 
 from deepspec.errors import ConfigError, MissingDependencyError
 
-# what an engine needs plus the card and the recipe; nothing else from the folder is uploaded
-UPLOAD_PATTERNS = ["config.json", "model.safetensors", "README.md", "deepspec_config.yaml"]
+# code an export ships for loaders outside deepspec (a DFlash export's auto_map names it: without it on the hub,
+# transformers' trust_remote_code cannot load the draft)
+SHIPPED_CODE = sorted(p.name for p in Path(__file__).with_name("hf_remote").glob("*.py") if p.name != "__init__.py")
+# what an engine needs, the code it loads, the card and the recipe; nothing else from the folder is uploaded (not
+# served_contract.json: it holds eval prompts, which may be private)
+UPLOAD_PATTERNS = ["config.json", "model.safetensors", "README.md", "deepspec_config.yaml", *SHIPPED_CODE]
 
 
 def upload_files(folder: str | Path) -> list[str]:
