@@ -179,6 +179,7 @@ def test_bf16_if_native_follows_the_cpu(tmp_path, monkeypatch):
     zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
     sapphire = tmp_path / "spr"
     sapphire.write_text("flags\t\t: avx2 avx512f amx_bf16 amx_tile\n")
+    monkeypatch.delenv("DEEPSPEC_CPU_BF16", raising=False)  # the flags are read only where the switch is unset
     assert [cpus.cpu_has_native_bf16(str(p)) for p in (avx2, zen4, sapphire)] == [False, True, True]
     assert cpus.cpu_has_native_bf16(str(tmp_path / "missing")) is False
     for forced, want in (("native", True), ("emulated", False)):  # the switch that lets one machine run both kinds
