@@ -20,20 +20,11 @@ while [ $# -gt 0 ]; do
 done
 PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python
-mkdir -p "$(dirname "$DIR")"
-exec 9>"$DIR.lock"  # parallel test workers: one installs, the others wait and reuse it
-flock 9
-if [ ! -f "$DIR/.complete" ]; then
-  mkdir -p "$DIR"
-  "$PY" -m pip install -q --no-deps --target "$DIR" "dflash==$VERSION" >&2
-  touch "$DIR/.complete"
-fi
+source "$(dirname "$0")/_side_install.sh"
+side_install "$DIR" "$PY" "dflash==$VERSION"
 echo "$DIR"
 if [ -n "$TF" ]; then
-  if [ ! -f "$DIR/transformers-$TF/.complete" ]; then
-    # with the tokenizers and huggingface-hub ranges that release accepts (both older than the main environment's)
-    "$PY" -m pip install -q --no-deps --target "$DIR/transformers-$TF" "transformers==$TF" "tokenizers>=0.22,<0.23" "huggingface-hub>=1.5,<2" >&2
-    touch "$DIR/transformers-$TF/.complete"
-  fi
+  # with the tokenizers and huggingface-hub ranges that release accepts (both older than the main environment's)
+  side_install "$DIR/transformers-$TF" "$PY" "transformers==$TF" "tokenizers>=0.22,<0.23" "huggingface-hub>=1.5,<2"
   echo "$DIR/transformers-$TF"
 fi

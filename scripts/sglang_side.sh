@@ -8,13 +8,7 @@ VERSION="${DEEPSPEC_SGLANG_VERSION:-0.5.23}"
 DIR="${1:-${DEEPSPEC_SGLANG_SIDE:-$HOME/.cache/deepspec/sglang-$VERSION}}"
 PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python
-mkdir -p "$(dirname "$DIR")"
-exec 9>"$DIR.lock"  # parallel test workers: one installs, the others wait and reuse it
-flock 9
-if [ ! -f "$DIR/.complete" ]; then
-  mkdir -p "$DIR"
-  # sglang itself plus the few pure-Python modules its model files import that the main venv lacks
-  "$PY" -m pip install -q --no-deps --target "$DIR" "sglang==$VERSION" orjson ipython traitlets >&2
-  touch "$DIR/.complete"
-fi
+source "$(dirname "$0")/_side_install.sh"
+# sglang itself plus the few pure-Python modules its model files import that the main venv lacks
+side_install "$DIR" "$PY" "sglang==$VERSION" orjson ipython traitlets
 echo "$DIR"
