@@ -328,10 +328,10 @@ def collect_rounds(cfg, checkpoint_dir: str | Path, *, temperatures: Sequence[fl
     import torch
 
     from deepspec.data.chat import render_prompt
-    from deepspec.log import progress
     from deepspec.drafts.checkpoint import load_draft
     from deepspec.eval.decode import eos_token_ids, generate_speculative
     from deepspec.eval.runner import build_work, check_target_matches, checkpoint_provenance, first_messages, resolve_target_name
+    from deepspec.log import progress
     from deepspec.targets import load_target
 
     meta = checkpoint_provenance(checkpoint_dir)
