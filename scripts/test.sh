@@ -3,9 +3,9 @@
 #   bash scripts/test.sh [pytest args...]
 #   bash scripts/test.sh --fast [pytest args...]   # the fast tier: every test not marked slow or vllm (minutes)
 # Tests run in DEEPSPEC_TEST_WORKERS processes (default 2; 1 = in this process), a whole module per process so its
-# module-scoped set-up (a trained draft, a vLLM server) is made once; much of the suite waits on one-threaded work
-# (vLLM's CPU serving, process start-up, imports) that a second process overlaps. Each process keeps to its own share
-# of the cores (tests/conftest.py `pin_worker_cores`; DEEPSPEC_TEST_PIN=0 to let them share every core).
+# module-scoped set-up (a trained draft, a vLLM server) is made once; much of the suite is one-threaded work (process
+# start-up, imports, Python) that a second process runs on the other core. Each process keeps to its own share of the
+# cores (tests/conftest.py `pin_worker_cores`; DEEPSPEC_TEST_PIN=0 to let them share every core).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"

@@ -463,13 +463,14 @@ def _cross_temperature(temps: dict[str, Any], bins: int, batch_size: int, budget
             if other == name:
                 continue
             a, b = o["scaling"]["global_a"], o["scaling"]["global_b"]
-            rows = replay_table(eval_r, {"raw": [list(sigmoid(np.asarray(r.logits))) for r in eval_r],
-                                         "pair": [list(sigmoid(a * np.asarray(r.logits) + b)) for r in eval_r]},
+            rows = replay_table(eval_r, {"pair": [list(sigmoid(a * np.asarray(r.logits) + b)) for r in eval_r]},
                                 batch_size=batch_size, budgets_per_request=budgets)
+            # the raw column is this temperature's own replay (same rounds, same seeded batches): read, not replayed
             t["with_pair_of"][other] = {"pair": [a, b], "ece_all_positions": round(ece(sigmoid(a * ze + b), ye, bins), 5),
                                         "accepted_per_verified_slot": [{"budget_per_request": r["budget_per_request"],
-                                                                        "raw": r["raw"]["accepted_per_verified_slot"],
-                                                                        "pair": r["pair"]["accepted_per_verified_slot"]} for r in rows]}
+                                                                        "raw": own["raw"]["accepted_per_verified_slot"],
+                                                                        "pair": r["pair"]["accepted_per_verified_slot"]}
+                                                                       for r, own in zip(rows, t["admission_replay"]["rows"])]}
 
 
 def plot_reliability(report: dict[str, Any], path: Path, bins: int = DEFAULT_BINS) -> Path | None:
