@@ -29,6 +29,8 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
         "cache.max_length=256", "train.max_steps=30", "train.val_every=15", "train.save_every=15",
         "eval.tasks=[heldout:general]", "eval.task_max_samples={}", "eval.max_samples=3", "eval.max_new_tokens=48",
         "eval.num_workers=1",
+        # the served speedup on 2 prompts x 32 tokens (the recipe: 16 x 128): the same code, a quarter of the timing
+        "eval.engine_speedup_max_samples=2", "eval.engine_speedup_max_new_tokens=32",
     ]
     env = dict(os.environ, DEEPSPEC_NO_PROGRESS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "deepspec.cli", "run", RECIPE, "--opts", *opts]
@@ -68,6 +70,7 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
     assert engine["engine_drafts"] > 0
     # the served speedup (vLLM tokens/s with and without the draft, one request and 16 in flight) on the headline split
     served = results["engine"]["speedup"]
+    assert results["engine"]["timing"]["max_new_tokens"] == 32, results["engine"]["timing"]
     for mode in ("single", "concurrent"):
         cell = served["heldout:general"][mode]
         assert cell["spec_tokens_per_s"] > 0 and cell["baseline_tokens_per_s"] > 0 and cell["speedup"] > 0, served

@@ -265,6 +265,27 @@ def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir
     assert is_complete(cfg)
 
 
+def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
+    """On CPU the server's environment keeps vLLM's single-process executor (one worker process fewer to start), binds
+    the model to our cores, and never overrides a value the user exported; on a GPU it adds neither."""
+    import torch
+
+    from deepspec.data.engines.server import VLLMServer
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    env = VLLMServer("m", port=1).server_env()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert VLLMServer("m", port=1, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert VLLMServer("m", port=1).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env = VLLMServer("m", port=1).server_env()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
+
+
 def test_vllm_cpu_thread_binding_covers_every_usable_core(monkeypatch):
     """vLLM's CPU default leaves one of two cores to its idle scheduler; we bind the model's OpenMP
     threads to every core this process may use, and never override a value the user exported."""

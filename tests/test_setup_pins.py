@@ -46,3 +46,16 @@ def test_setup_uses_the_constraints_and_builds_nothing_from_source():
     assert not [ln for ln in setup.splitlines() if "flash-attn" in ln and not ln.lstrip().startswith("#")]
     for py in ROOT.joinpath("deepspec").rglob("*.py"):
         assert not re.search(r"^\s*(import|from)\s+flash_attn", py.read_text(), re.M), py
+
+
+def test_setup_leaves_the_installed_modules_byte_compiled():
+    """scripts/setup.sh installs without pip's one-core byte-compilation and compiles on every core instead: every
+    module must still have its .pyc (where PYTHONDONTWRITEBYTECODE is set, a missing one is recompiled by every
+    process that imports it)."""
+    import importlib.util
+
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "--no-compile" in setup and "compileall" in setup
+    for name in ("torch", "torch.nn.modules.linear", "transformers.modeling_utils", "yaml", "httpx"):
+        source = importlib.util.find_spec(name).origin
+        assert Path(importlib.util.cache_from_source(source)).is_file(), f"{source} has no .pyc"

