@@ -192,6 +192,23 @@ def scale_row(row: str, args, work: Path, jsonl: Path | None, timeout: float) ->
     return _bench_train(argv, timeout, jsonl, work / "logs" / f"bench-train-{row}")
 
 
+def _liger() -> str:
+    """Liger-Kernel's version and whether EAGLE-3's loss hands its unlogged steps to it here (deepspec/drafts/liger.py:
+    CUDA only): the fused loss is part of what a GPU user with requirements-gpu.txt installed runs."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed (EAGLE-3's loss runs its eager chunks)"
+    import torch
+
+    from deepspec.drafts import liger
+
+    used = liger.fused_linear_kl is not None and torch.cuda.is_available() and liger.available(torch.empty(0, device="cuda"))
+    return f"{version} ({'used by' if used else 'not used by'} EAGLE-3's loss)"
+
+
 def _environment() -> dict:
     import importlib.util
 
@@ -200,7 +217,7 @@ def _environment() -> dict:
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
            "flash_attn": "installed" if importlib.util.find_spec("flash_attn") else "not installed (SDPA attention)",
-           "vllm": "installed" if importlib.util.find_spec("vllm") else "not installed"}
+           "vllm": "installed" if importlib.util.find_spec("vllm") else "not installed", "liger": _liger()}
     if torch.cuda.is_available():
         env.update(device=torch.cuda.get_device_name(0), gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                    nccl=".".join(map(str, torch.cuda.nccl.version())))

@@ -3,13 +3,16 @@
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s S] [--rows NAME,NAME...]
 #
-# It runs the project from this source tree (PYTHONPATH; nothing is installed but the peer's wheels, when given) with
+# It runs the project from this source tree (PYTHONPATH; nothing is installed but the wheels --peer-wheels gives: the
+# peer's, for its row, and Liger-Kernel's, which our rows use as a GPU user's requirements-gpu.txt install does) with
 # the machine's own python (PYTHON, default python3: torch and transformers must be there). In priority order, each row
 # under its own time limit and all of them under the budget (515 s; a row that would start past it writes a "skipped"
 # line):
-#   env        the environment: torch, CUDA, device, NCCL
+#   env        the environment: torch, CUDA, device, NCCL, Liger-Kernel
 #   tests      the CUDA-only tests (attention kernels, online cache, loader stager, precision); --smoke collects them
 #   ours       Qwen3-8B-shaped EAGLE-3, DFlash and DSpark at 4,096 tokens, 8 micro-batches per optimizer step, from memory
+#   liger-off  EAGLE-3 as in `ours` with DEEPSPEC_LIGER=0: what Liger's fused loss gains (needs Liger-Kernel; CUDA only:
+#              --smoke skips it)
 #   cache      DFlash the same way, read from an on-disk cache through the trainer's reader and loader
 #   peer       EAGLE-3, ours and speculators 0.9.0 on the same samples, one sample per step (needs --peer-wheels DIR, made
 #              by `bash benchmarks/peer_setup.sh --gpu-wheels`, or a .peer-venv; else skipped)
@@ -36,7 +39,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
-ALL_ROWS="env tests ours cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch"
+ALL_ROWS="env tests ours liger-off cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
@@ -81,7 +84,7 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN=(--smoke --accum 2); LONG=(--smoke --seq-len 512); ROW_S=150
   TESTS=(--collect-only -q)  # on a CPU the CUDA tests would only skip: collect them (the selection must exist)
   V4=(--smoke)
-  L_ENV=60; L_TESTS=90; L_OURS=300; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
+  L_ENV=60; L_TESTS=90; L_OURS=300; L_LIGER=0; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
   MIXED=(--smoke --accum 2 --steps 3 --length-spread 24 --distinct-samples 6)
   RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); RECIPE_ATT=sdpa; L_RECIPE=150
 else
@@ -89,7 +92,7 @@ else
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
   TESTS=(-q)
   V4=()
-  L_ENV=60; L_TESTS=90; L_OURS=400; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
+  L_ENV=60; L_TESTS=90; L_OURS=400; L_LIGER=120; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
   RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); RECIPE_ATT=flex; L_RECIPE=200
 fi
@@ -116,6 +119,14 @@ EOF
 }
 
 echo "[gpu_check] $( [ "$SMOKE" = 1 ] && echo "smoke, " )budget ${BUDGET} s, results in $OUT"
+# Liger-Kernel from --peer-wheels for our rows (after the machine's own packages: an installed one wins)
+if [ -n "$WHEELS" ] && ls "$WHEELS"/liger_kernel-*.whl >/dev/null 2>&1; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/ours-site" "$WHEELS"/liger_kernel-*.whl >>"$LOG" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$WORK/ours-site"
+  else
+    echo "[gpu_check] Liger-Kernel's wheel did not install (see log.txt): our rows run without it"
+  fi
+fi
 row env "$L_ENV" -- "$PY" "$BENCH/bench_gpu.py" --row env --out "$ROWS"
 
 row tests "$L_TESTS" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
@@ -126,12 +137,25 @@ row tests "$L_TESTS" -- "$PY" -m pytest "${TESTS[@]}" -p no:cacheprovider \
 row ours "$L_OURS" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms eagle3 dflash dspark --no-peer \
   --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --jsonl "$ROWS"
 
+if [ "$SMOKE" = 1 ]; then
+  skip liger-off "Liger's kernels run only on CUDA: on a CPU the ours row's EAGLE-3 runs the eager loss already"
+elif ! "$PY" -c "import liger_kernel" >/dev/null 2>&1; then
+  skip liger-off "Liger-Kernel is not installed (pass --peer-wheels DIR from benchmarks/peer_setup.sh --gpu-wheels): the ours row's EAGLE-3 ran the eager loss"
+else
+  row liger-off "$L_LIGER" -- env DEEPSPEC_LIGER=0 "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms eagle3 --no-peer \
+    --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --profile-tag liger-off --jsonl "$ROWS"
+fi
+
 row cache "$L_CACHE" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash --no-peer --from-cache \
   --cache-samples 8 --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --jsonl "$ROWS"
 
 PEER=()
+PEER_WHEELS=()  # the folder's wheels but Liger's (ours, installed above)
 if [ -n "$WHEELS" ]; then
-  row peer-install 60 -- "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/peer-site" "$WHEELS"/*.whl
+  for whl in "$WHEELS"/*.whl; do case "$(basename "$whl")" in liger_kernel-*) ;; *) PEER_WHEELS+=("$whl") ;; esac; done
+fi
+if [ ${#PEER_WHEELS[@]} -gt 0 ]; then
+  row peer-install 60 -- "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/peer-site" "${PEER_WHEELS[@]}"
   PEER=(--peer-python "$PY" --peer-pythonpath "$WORK/peer-site")
 elif [ -x "$ROOT/.peer-venv/bin/python" ]; then
   PEER=(--peer-venv "$ROOT/.peer-venv")

@@ -1,6 +1,7 @@
 """Served as trained, per depth: drafts with real acceptance are decoded by our evaluator and served by vLLM's CPU
 build on the same prompts; vLLM accepts their tokens as often as we do at every depth, and a deliberately broken
-export of each, served the same way, is caught by the same comparison.
+EAGLE-3.1 export, served the same way, is caught by the same comparison (the comparison does not depend on the
+algorithm; DFlash's broken exports are caught before serving, in vLLM's own class: tests/test_check_vllm.py).
 
 The drafts (EAGLE-3.1 with fc_norm, norm_output and an 8k draft vocabulary; DFlash with a block of 4 and a draft
 vocabulary, with full attention and with a 32-token sliding window shorter than every sequence) are trained by `deepspec run` on the target's own greedy answers to a few prompts until they predict
@@ -37,7 +38,10 @@ PROMPTS = SERVED_PROMPTS
 ANSWER_TOKENS = 64
 S = 3  # EAGLE-3.1 speculative tokens; DFlash serves its block of 4 = 3 drafts too
 WINDOW = 32  # the sliding-window DFlash draft's window
-STEPS = 50  # every step sees all six answers: ~50 epochs, greedy tau ~3.4 (EAGLE-3.1) / ~2.7 (DFlash) in training
+# every step sees all six answers; {draft: (steps, lr)}. Measured on these prompts (our T = 0 eval, tau of at most 4):
+# EAGLE-3.1 3.68 after 50 steps at 3e-3; DFlash 3.77 and the sliding one 3.90 after 30 steps at 6e-3 (3.82 / 3.86 after
+# 50 at the recipe's 2e-3, 1.47 after 25 at 2e-3). The T = 1 band below was measured on the EAGLE-3.1 draft as trained here.
+STEPS = {"eagle3": (50, 3.0e-3), "dflash": (30, 6.0e-3), "dflash-sliding": (30, 6.0e-3)}
 # The T = 1 band at depth 1, from benchmarks/results/2026-11-27.served_t1_spread.json (bench_served_t1.py --repeats 16
 # on this module's EAGLE-3.1 recipe and prompts, 96 tokens at T = 1): vLLM's depth-1 survival over 16 repeats spread
 # 0.090-0.176 with a standard deviation of its log of 0.20, so the log of the ratio of two such samples (vLLM's and
@@ -47,6 +51,7 @@ RATIO_BAND = (math.exp(-3.3 * RATIO_SD_LOG), math.exp(3.3 * RATIO_SD_LOG))
 
 
 def _recipe(root: Path, name: str, base: str, model: str, train: str = "") -> Path:
+    steps, lr = STEPS[name]
     path = root / f"{name}.yaml"
     path.write_text(f"""_base_: {REPO / base}
 project: conformance
@@ -56,8 +61,9 @@ data:
   prompts: {{sources: [{{source: {root / 'prompts.jsonl'}}}], max_samples: {len(PROMPTS)}, heldout: 0}}
   regenerate: {{engine: hf, sampling: {{temperature: 0.0, max_tokens: {ANSWER_TOKENS}}}}}
 cache: {{capture_backend: hf, max_length: 256}}
-train: {{precision: fp32, epochs: 1000, max_steps: {STEPS}, save_every: {STEPS}, val_every: 0, global_batch_size: 6,
-        micro_batch_size: 6{train}}}
+train: {{precision: fp32, epochs: 1000, max_steps: {steps}, save_every: {steps}, val_every: 0, global_batch_size: 6,
+        micro_batch_size: 6, lr: {lr}{train}}}
+logging: {{wandb: false, tensorboard: false}}   # tests/test_train.py tests the sinks
 model: {{{model}}}
 eval:
   tasks: [{root / 'prompts.jsonl'}]
@@ -80,7 +86,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("served")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     eagle = _recipe(root, "eagle3", "config/quickstart/eagle3.yaml", "fc_norm: true, norm_output: true",
-                    ", optimizer: adamw, lr: 3.0e-3")
+                    ", optimizer: adamw")
     dflash = _recipe(root, "dflash", "config/quickstart/dflash.yaml", "draft_vocab_size: 8192")
     # a window shorter than every sequence (chat prompt + answer ~100 tokens): vLLM must apply it as we trained it
     sliding = _recipe(root, "dflash-sliding", "config/quickstart/dflash.yaml",
@@ -95,7 +101,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     cache = CacheDataset(root / "outputs" / "conformance" / "cache" / "train")
     lengths = [len(cache[i]["input_ids"]) for i in range(len(cache))]
     assert len(lengths) == len(PROMPTS) and min(lengths) > WINDOW + 8, lengths  # the window bites on every sequence
-    return {name: root / "checkpoints" / "conformance" / name / f"step_{STEPS}" for name in ("eagle3", "dflash", "dflash-sliding")}
+    return {name: root / "checkpoints" / "conformance" / name / f"step_{steps}" for name, (steps, _) in STEPS.items()}
 
 
 def _eval(ckpt: Path, out: Path, *opts: str) -> dict:
@@ -138,16 +144,6 @@ def _aux_plus_one(cfg):  # the tap bug: every aux layer one too deep
     cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
 
 
-def _wrong_mask(cfg):
-    # an ordinary token: SmolLM2's neighbouring special tokens were never trained and embed alike, so mask id - 1
-    # leaves vLLM's acceptance unchanged here (measured) and would test nothing
-    cfg["dflash_config"]["mask_token_id"] = cfg["dflash_config"]["mask_token_id"] + 1000
-
-
-# one per algorithm here (each costs a vLLM start); `deepspec check` (tests/test_check.py) covers the full list in-process
-BROKEN = {"dflash": [("wrong mask token", _wrong_mask)], "dflash-sliding": []}
-
-
 def _serve(export: Path, smollm2_dir: Path, log: Path):
     """vLLM's CPU server on the target with `export` as its draft, greedy drafts, the eval's arithmetic."""
     from deepspec.data.engines.server import VLLMServer
@@ -176,7 +172,7 @@ def _cli(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("draft", ["dflash", "dflash-sliding"])
-def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained, smollm2_dir, tmp_path, draft):
+def test_vllm_accepts_dflash_as_ours_at_every_depth(trained, smollm2_dir, tmp_path, draft):
     from deepspec.export.check import check_export
     from deepspec.export.writers import export_draft
 
@@ -195,13 +191,6 @@ def test_vllm_accepts_as_ours_at_every_depth_and_catches_broken_exports(trained,
     _assert_served_as_trained(draft, cell, greedy["overall"]["rounds"])
     assert "served as trained" in (tmp_path / "t0" / "results.md").read_text()
 
-    for name, edit in BROKEN[draft]:
-        broken = edit_export(export, tmp_path / name.replace(" ", "-"), edit)
-        eng = _engine_only(ckpt, broken, greedy, tmp_path / f"{name.replace(' ', '-')}-eval")
-        (bad,) = eng["tasks"].values()
-        print(draft, name, _depths(bad))
-        verdict = bad["served_as_trained"]
-        assert verdict["decided"] and not verdict["ok"], (name, _depths(bad))
 
 
 @pytest.mark.timeout(1800)

@@ -282,14 +282,14 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert len(files) <= 8 and {"rows.jsonl", "log.txt"} <= set(files), files
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager",
+    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer", "v4-memory", "long", "flex", "eager",
                             "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
     assert rows[-1]["row"] == "summary"
     for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa", "recipe-batch"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
     assert status["peer"]["status"] in ("ok", "skipped")
-    assert all(status[name]["status"] == "skipped" for name in ("flex", "eager", "mixed-flex"))
-    assert rows[0]["row"] == "env" and "torch" in rows[0]
+    assert all(status[name]["status"] == "skipped" for name in ("liger-off", "flex", "eager", "mixed-flex"))
+    assert rows[0]["row"] == "env" and "torch" in rows[0] and rows[0]["liger"].startswith("not installed"), rows[0]
     assert "collected" in (out / "log.txt").read_text()
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
     by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None and r.get("micro_batch") == 1}
@@ -311,20 +311,43 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert memory["measured_on"] == "cpu" and memory["measured_peak_gb"] > 0 and memory["state"]["trainable_params"] > 1e9
 
 
+def _wheel(folder: Path, dist: str, module: str, version: str) -> Path:
+    """A real (tiny) pure-Python wheel that pip installs: `module` with an empty __init__."""
+    import zipfile
+
+    info = f"{dist.replace('-', '_')}-{version}.dist-info"
+    files = {f"{module}/__init__.py": "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    path = folder / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
 def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path):
     """`--rows env`: the env row runs, every other row writes a "not selected" line in the usual order (so a rerun of
-    the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs."""
-    out = tmp_path / "out"
+    the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs. With
+    --peer-wheels, Liger-Kernel's wheel from the folder is installed for our rows (the env row sees it; on a CPU the
+    loss does not use it) and kept out of the peer's."""
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "liger-kernel", "liger_kernel", "0.0.1")
     env = dict(os.environ, PYTHON=sys.executable, DEEPSPEC_NO_PROGRESS="1")
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
-    proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env", "--peer-wheels", str(wheels)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "cache", "peer", "v4-memory", "long", "flex", "eager", "mixed-sdpa",
-                            "mixed-flex", "recipe-batch", "summary"]
+    # no peer wheel in the folder (Liger's is ours): the peer row says so, nothing is installed for it
+    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer", "v4-memory", "long", "flex", "eager",
+                            "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
+    peer_venv = (ROOT / ".peer-venv" / "bin" / "python").exists()  # benchmarks/peer_setup.sh's, if this checkout has one
+    assert ("not selected" if peer_venv else "no peer") in status["peer"]["why"], status["peer"]
     assert status["env"]["status"] == "ok"
+    assert rows[0]["row"] == "env" and rows[0]["liger"] == "0.0.1 (not used by EAGLE-3's loss)", rows[0]
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
     assert not any(r.get("benchmark") == "train" for r in rows)

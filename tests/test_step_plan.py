@@ -4,6 +4,7 @@ batch, bucketed attention shapes are few and give the exact results, and the loa
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -174,6 +175,47 @@ def test_flex_on_cuda_compiles_every_bucket_a_run_can_meet():
     finally:
         config.recompile_limit, config.accumulated_recompile_limit = saved
         flex._kernels.cache_clear()
+
+
+def test_the_compiled_block_mask_equals_the_eager_one_and_compiles_once_for_every_step_of_a_shape(monkeypatch):
+    """On CUDA the step's block mask comes from torch.compile(create_block_mask) (torch's replacement for its deprecated
+    `_compile=True`). Each step builds a new mask_mod closure over new anchors; with the shapes unchanged it must reuse
+    the compiled graph (a compile per step would cost seconds of host time) and give the eager builder's mask. Counted
+    on a CPU with Dynamo's eager backend: the same capture and guards as on CUDA, without Inductor's code generation."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from deepspec.drafts import flex
+
+    assert "_compile" not in inspect.getsource(flex._block_mask)  # the deprecated flag stays out
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(create_block_mask, backend=counter)
+    b, a_n, k_n, t = 2, 8, 4, 64
+    frames = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        anchors = torch.sort(torch.randint(1, t, (b, a_n), generator=g), dim=1).values
+        start = torch.zeros(b, a_n, dtype=torch.long)
+        start[1, a_n // 2 :] = anchors[1, a_n // 2 - 1]  # packed: the second row's later blocks start a new sample
+        keep = torch.rand(b, a_n, generator=g) > 0.2
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[1, t - 5 :] = False
+        masks = []
+        for build in (create_block_mask, compiled):
+            monkeypatch.setattr(flex, "_kernels", lambda device_type, build=build: (None, build))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                masks.append(flex._block_mask(anchors, start, keep, valid, k_n, 5 if step % 2 else None, t, torch.device("cpu")))
+        eager, built = masks
+        assert torch.equal(eager.to_dense(), built.to_dense()), step
+        assert torch.equal(eager.kv_num_blocks, built.kv_num_blocks) and torch.equal(eager.kv_indices, built.kv_indices)
+        frames.append(counter.frame_count)
+    # one graph without a window, one with: steps 2 and 3 (new anchors, same shapes) compile nothing new
+    assert frames[1] == frames[3] == frames[0] + frames[0] and frames[2] == frames[1], frames
+    torch._dynamo.reset()
 
 
 @pytest.mark.cuda(reason="FlexAttention's compiled kernel and its backward")

@@ -33,14 +33,17 @@ FLEX_RECOMPILE_LIMIT = 128
 
 @lru_cache(maxsize=None)
 def _kernels(device_type: str):
-    """(flex_attention, create_block_mask): compiled on CUDA (the fused kernel), PyTorch's reference elsewhere."""
+    """(flex_attention, create_block_mask): compiled on CUDA (the fused kernel; the mask built by a compiled
+    create_block_mask, as torch recommends in place of its deprecated `_compile=True`, which did the same), PyTorch's
+    reference elsewhere. One compiled mask builder for every step: a step's new mask_mod closure over new anchors of
+    the same shapes reuses its graph (tests/test_step_plan.py counts the compiles on a CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if device_type == "cuda":
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * FLEX_RECOMPILE_LIMIT)
-        return torch.compile(flex_attention, dynamic=False), create_block_mask
+        return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask)
     return flex_attention, create_block_mask
 
 
@@ -64,7 +67,7 @@ def _block_mask(anchors, ctx_start, keep, valid, block: int, window: int | None,
         return torch.where(kv_idx < n_ctx, ctx_ok, own_ok)
 
     q_len = a_n * block
-    return create_block_mask(mask_mod, b_n, None, q_len, n_ctx + q_len, device=device, _compile=device.type == "cuda")
+    return create_block_mask(mask_mod, b_n, None, q_len, n_ctx + q_len, device=device)
 
 
 def flex_block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, key_valid, window: int | None = None,
