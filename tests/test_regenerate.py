@@ -286,6 +286,33 @@ def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
 
 
+def test_an_in_process_vllm_engine_on_cpu_runs_in_this_process(monkeypatch):
+    """Regeneration's and the capture's in-process engines on CPU: the model runs in this process (no engine-core
+    process to spawn), bound to our cores; a value the user exported wins, and vLLM's own reading of it decides; on a
+    GPU nothing is set. (tests/test_cache_vllm.py and the quickstart test run such engines end to end: the capture then
+    drives the engine until its last saves are written.)"""
+    import os
+
+    import torch
+    from vllm import envs
+
+    from deepspec.data.engines.vllm_engine import in_process_cpu_env
+
+    envs.disable_envs_cache()  # an engine started in this process earlier froze vLLM's reading of the environment
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert in_process_cpu_env() is True
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert in_process_cpu_env() is False and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert in_process_cpu_env() is False
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"} & set(os.environ)
+
+
 def test_vllm_cpu_thread_binding_covers_every_usable_core(monkeypatch):
     """vLLM's CPU default leaves one of two cores to its idle scheduler; we bind the model's OpenMP
     threads to every core this process may use, and never override a value the user exported."""

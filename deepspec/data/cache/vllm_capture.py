@@ -126,6 +126,9 @@ class VLLMFeaturizer:
                                trust_remote_code=trust_remote_code)
         kwargs.update(vllm_kwargs or {})
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        from deepspec.data.engines.vllm_engine import in_process_cpu_env
+
+        self.in_process = in_process_cpu_env()
         log.info("starting vLLM (extract_hidden_states, aux ids %s, %s) for %s", aux_ids,
                  kwargs["kv_transfer_config"]["kv_connector"], target_path)
         self.llm = LLM(**kwargs)
@@ -137,6 +140,8 @@ class VLLMFeaturizer:
 
         prompts = [{"prompt_token_ids": [int(t) for t in s.input_ids]} for s in batch]
         outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        if self.in_process:
+            self._drive_saves([(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs])
         n = len(self.taps)
         for sample, out in zip(batch, outputs):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
@@ -152,6 +157,16 @@ class VLLMFeaturizer:
             with torch.no_grad():
                 final = self.norm(hs[:, n])
             yield sample, torch.cat([hs[:, :n], final.unsqueeze(1)], dim=1)
+
+    def _drive_saves(self, paths: list[str | None], timeout_s: float = 300.0) -> None:
+        """The connector saves a finished request's states in a later engine step. An engine-core process keeps
+        stepping on its own; an engine in this process steps only when driven, so drive it until every file is
+        written (a missing one is then reported by `_wait_written`'s caller)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while any(p and not os.path.isfile(p) for p in paths) and time.monotonic() < deadline:
+            self.llm.llm_engine.step()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
