@@ -205,7 +205,7 @@ def _liger() -> str:
 
     from deepspec.drafts import liger
 
-    used = liger.fused_linear_kl is not None and torch.cuda.is_available() and liger.available(torch.empty(0, device="cuda"))
+    used = torch.cuda.is_available() and liger.available(torch.empty(0, device="cuda"))
     return f"{version} ({'used by' if used else 'not used by'} EAGLE-3's loss)"
 
 

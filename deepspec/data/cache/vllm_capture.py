@@ -140,11 +140,11 @@ class VLLMFeaturizer:
 
         prompts = [{"prompt_token_ids": [int(t) for t in s.input_ids]} for s in batch]
         outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
         if self.in_process:
-            self._drive_saves([(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs])
+            self._drive_saves(paths)
         n = len(self.taps)
-        for sample, out in zip(batch, outputs):
-            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        for sample, path in zip(batch, paths):
             if not path or not _wait_written(path):
                 raise EngineError(f"vLLM wrote no hidden states for sample {sample.id!r}; use cache.capture_backend=hf.")
             data = load_file(path)

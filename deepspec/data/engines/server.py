@@ -181,7 +181,7 @@ class VLLMServer:
 
         env = dict(os.environ)
         if not torch.cuda.is_available():
-            for key, value in {**vllm_cpu_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+            for key, value in vllm_cpu_env().items():
                 env.setdefault(key, value)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env.update(self.env)

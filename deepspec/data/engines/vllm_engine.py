@@ -33,8 +33,10 @@ def cpu_thread_binding() -> str:
 
 
 def vllm_cpu_env() -> dict[str, str]:
-    """Environment defaults for vLLM on a machine without a GPU (KV cache size, thread binding)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding()}
+    """Environment defaults for vLLM on a machine without a GPU: KV cache size, thread binding, and the model run in the
+    engine's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a server's engine process keeps its single-process
+    executor, an in-process engine runs in this process; see `in_process_cpu_env` and VLLMServer.server_env)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def in_process_cpu_env() -> bool:
@@ -51,7 +53,7 @@ def in_process_cpu_env() -> bool:
 
     if torch.cuda.is_available():
         return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-    for key, value in {**vllm_cpu_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    for key, value in vllm_cpu_env().items():
         os.environ.setdefault(key, value)
     from vllm import envs
 
