@@ -4,7 +4,9 @@ Each bench_*.py prints one JSON object (the last one on its stdout, on one line 
     python benchmarks/run_all.py [--only cache train] [--checkpoint CKPT] [--quickstart-summary PATH]
     python benchmarks/run_all.py --smoke [--only copy eval] [--jobs 2] [--out DIR/smoke.json]
 --smoke runs every script's own --smoke (tiny shapes, seconds each) and writes the collected JSON into a temporary
-folder (or --out), never into benchmarks/results/: a check that the scripts still run, not a measurement.
+folder (or --out), never into benchmarks/results/: a check that the scripts still run, not a measurement. Each script
+runs in its own process, forked (on Linux) from this one after it imported torch and transformers once, which saves
+every script seconds of start-up; --fresh starts each in a new interpreter instead.
 The quickstart summary (outputs/quickstart-blend/summary.json, written by `deepspec run`) is folded in
 when present, so one file carries tau per algorithm and benchmark as well.
 """
@@ -22,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _forked
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["regenerate", "cache", "train", "eval"]
@@ -54,10 +58,15 @@ def run_bench(name: str, extra: list[str], env: dict | None = None) -> dict:
         return {"error": f"{script.name} not found"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, cwd=HERE.parent, env=env)
-    result = last_json(proc.stdout)
-    if proc.returncode != 0 or result is None:
-        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
-    return {"result": result, "seconds": round(time.monotonic() - t0, 1)}
+    return bench_entry(name, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+def bench_entry(name: str, returncode: int, stdout: str, stderr: str, seconds: float) -> dict:
+    """What a script's run gives the collected file: its last JSON object, or why there is none."""
+    result = last_json(stdout)
+    if returncode != 0 or result is None:
+        return {"error": f"exit {returncode}", "stderr_tail": stderr[-2000:]}
+    return {"result": result, "seconds": round(seconds, 1)}
 
 
 def markdown(data: dict) -> str:
@@ -83,6 +92,9 @@ def main() -> int:
                     help=f"default: {' '.join(BENCHES)} (with --smoke: every script)")
     ap.add_argument("--smoke", action="store_true", help="run every script's --smoke; results go to a temporary folder")
     ap.add_argument("--jobs", type=int, default=1, help="smokes run at once (--smoke only)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="--smoke: start each script in a fresh interpreter instead of forking it from one that "
+                         "imported torch and transformers once (benchmarks/_forked.py)")
     ap.add_argument("--checkpoint", default=None,
                     help="draft checkpoint for bench_eval (default: the quickstart's checkpoints/quickstart-blend/eagle3/step_latest "
                          "when it exists, else an untrained draft, which measures only the decoding loop's overhead)")
@@ -139,8 +151,16 @@ def smoke(args, ap) -> int:
     data = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "smoke": True,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}", "benchmarks": {}}
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        done = dict(zip(names, pool.map(lambda n: run_bench(n, SMOKES[n], env), names)))
+    if not args.fresh and _forked.can_fork():
+        os.environ["OMP_NUM_THREADS"] = env["OMP_NUM_THREADS"]  # before torch is imported: the children's pool size
+        _forked.preload()
+        scripts = {n: (HERE / f"bench_{n}.py", SMOKES[n]) for n in names}
+        missing = {n: {"error": f"{s.name} not found"} for n, (s, _) in scripts.items() if not s.is_file()}
+        done = {**missing, **_forked.run_forked({n: v for n, v in scripts.items() if n not in missing}, env, HERE.parent,
+                                                 args.jobs, bench_entry)}
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            done = dict(zip(names, pool.map(lambda n: run_bench(n, SMOKES[n], env), names)))
     data["benchmarks"] = {n: done[n] for n in names}
     data["seconds"] = round(time.monotonic() - t0, 1)
     failed = sorted(n for n, e in done.items() if "error" in e)

@@ -1,6 +1,8 @@
-"""Every benchmark script's --smoke, run the way a user would: `benchmarks/run_all.py --smoke` starts each script in its
-own process (two at a time, one thread each) and collects their JSON; each test below checks one script's figures for
-sense — counts that must come out exactly, rates that must be positive, ratios that must agree with their parts.
+"""Every benchmark script's --smoke, run the way a user would: `benchmarks/run_all.py --smoke` runs each script in its
+own process (two at a time, one thread each; forked from one that imported torch and transformers once) and collects
+their JSON; each test below checks one script's figures for sense — counts that must come out exactly, rates that must
+be positive, ratios that must agree with their parts. The forked runner itself, and run_all's --fresh path, are tested
+at the end of this module.
 (bench_cache, bench_train, bench_launches, bench_draft_memory and bench_gpu have tests of their own smokes.)"""
 
 from __future__ import annotations
@@ -172,3 +174,64 @@ def test_run_all_smoke_refuses_to_write_into_results():
                         str(ROOT / "benchmarks" / "results" / "smoke.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "benchmarks/results" in r.stderr
     assert not (ROOT / "benchmarks" / "results" / "smoke.json").exists()
+
+
+FORKED_DRIVER = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import _forked
+import torch
+torch.set_num_threads(2)
+scripts = {name: (__import__("pathlib").Path(sys.argv[2]) / f"{name}.py", [name, "--flag"]) for name in ("a", "b", "c")}
+env = dict(os.environ, PROBE="child")
+os.environ["PROBE"] = "parent"
+res = _forked.run_forked(scripts, env, __import__("pathlib").Path(sys.argv[2]), 2,
+                         lambda n, rc, out, err, s: {"rc": rc, "out": out, "err": err})
+print(json.dumps({"parent_pid": os.getpid(), "parent_probe": os.environ["PROBE"], "parent_threads": torch.get_num_threads(),
+                  "parent_marked": hasattr(json, "marked_by_a"), "results": res}))
+"""
+
+PROBE_SCRIPT = """
+import json, os, sys
+print(json.dumps({"name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "probe": os.environ["PROBE"],
+                  "torch_preloaded": "torch" in sys.modules, "threads": sys.modules["torch"].get_num_threads(),
+                  "marked": hasattr(json, "marked_by_a"), "path0": sys.path[0]}))
+"""
+
+
+def test_forked_runner_gives_each_script_its_own_process_and_exit(tmp_path):
+    """benchmarks/_forked.py: each script runs as __main__ in a process of its own, forked from the one that imported
+    torch: its own argv, environment (OMP_NUM_THREADS sizes its torch pool), working folder, stdout, stderr and exit
+    code; what one script changes (a module attribute) neither the parent nor the next script sees; a raised exception
+    is a traceback on stderr and exit 1, sys.exit(3) is exit 3."""
+    (tmp_path / "a.py").write_text(PROBE_SCRIPT + "json.marked_by_a = True\nprint('to stderr', file=sys.stderr)\n")
+    (tmp_path / "b.py").write_text(PROBE_SCRIPT + "raise ValueError('b broke')\n")
+    (tmp_path / "c.py").write_text(PROBE_SCRIPT + "sys.exit(3)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", FORKED_DRIVER, str(ROOT / "benchmarks"), str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["parent_probe"], got["parent_threads"], got["parent_marked"]) == ("parent", 2, False)
+    res = got["results"]
+    assert [res[n]["rc"] for n in "abc"] == [0, 1, 3]
+    seen = {n: json.loads(res[n]["out"].strip().splitlines()[0]) for n in "abc"}
+    for n, s in seen.items():
+        assert s["name"] == "__main__" and s["argv"] == [n, "--flag"] and s["cwd"] == str(tmp_path), s
+        assert s["probe"] == "child" and s["torch_preloaded"] and s["threads"] == 1 and not s["marked"], s
+        assert s["path0"] == str(tmp_path) and s["pid"] != got["parent_pid"]
+    assert len({s["pid"] for s in seen.values()}) == 3
+    assert res["a"]["err"].strip() == "to stderr"
+    assert "ValueError: b broke" in res["b"]["err"] and res["c"]["err"] == ""
+
+
+def test_run_all_fresh_interpreters_collect_the_same(smokes, tmp_path):
+    """`run_all.py --smoke --fresh`: the same script in a new interpreter gives the same figures' names."""
+    out = tmp_path / "fresh.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--fresh", "--only", "plan",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    fresh = _result(json.loads(out.read_text())["benchmarks"], "plan")
+    check_plan(fresh)
+    assert set(fresh) == set(_result(smokes, "plan"))

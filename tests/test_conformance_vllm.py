@@ -1,7 +1,8 @@
 """Served as trained, per depth: drafts with real acceptance are decoded by our evaluator and served by vLLM's CPU
 build on the same prompts; vLLM accepts their tokens as often as we do at every depth, and a deliberately broken
 EAGLE-3.1 export, served the same way, is caught by the same comparison (the comparison does not depend on the
-algorithm; DFlash's broken exports are caught before serving, in vLLM's own class: tests/test_check_vllm.py).
+algorithm; DFlash's broken exports are caught before serving, in vLLM's own class: tests/test_check_vllm.py, which also
+checks that DFlash exports, full and sliding-window, compute in vLLM's class what our draft computes).
 
 The drafts (EAGLE-3.1 with fc_norm, norm_output and an 8k draft vocabulary; DFlash with a block of 4 and a draft
 vocabulary, with full attention and with a 32-token sliding window shorter than every sequence) are trained by `deepspec run` on the target's own greedy answers to a few prompts until they predict
@@ -38,10 +39,16 @@ PROMPTS = SERVED_PROMPTS
 ANSWER_TOKENS = 64
 S = 3  # EAGLE-3.1 speculative tokens; DFlash serves its block of 4 = 3 drafts too
 WINDOW = 32  # the sliding-window DFlash draft's window
-# every step sees all six answers; {draft: (steps, lr)}. Measured on these prompts (our T = 0 eval, tau of at most 4):
-# EAGLE-3.1 3.68 after 50 steps at 3e-3; DFlash 3.77 and the sliding one 3.90 after 30 steps at 6e-3 (3.82 / 3.86 after
-# 50 at the recipe's 2e-3, 1.47 after 25 at 2e-3). The T = 1 band below was measured on the EAGLE-3.1 draft as trained here.
-STEPS = {"eagle3": (50, 3.0e-3), "dflash": (30, 6.0e-3), "dflash-sliding": (30, 6.0e-3)}
+# every step sees all six answers; {draft: (steps, lr, training precision)}. Measured on these prompts (our T = 0
+# eval, tau of at most 4): EAGLE-3.1 3.68 after 50 steps at 3e-3 in fp32; DFlash 3.77 and the sliding one 3.90 after
+# 30 steps at 6e-3 in fp32, 3.85 / 3.90 in bf16 (fp32: 3.82 / 3.86 after 50 at the recipe's 2e-3, 1.47 after 25 at
+# 2e-3). Training precision shapes the draft, not the comparison (both sides decode the exported weights in fp32), so
+# the DFlash drafts train in bf16 where the CPU has it (25 s instead of 31 s each on this one), else fp32. EAGLE-3.1
+# stays fp32: the T = 1 band below was measured on that draft, and the same recipe trained in bf16 spreads wider at T
+# = 1 (sd of log 0.29 instead of 0.20, benchmarks/results/2026-11-28.served_t1_spread_bf16_draft.json) - a band
+# belongs to the draft it was measured on.
+STEPS = {"eagle3": (50, 3.0e-3, "fp32"), "dflash": (30, 6.0e-3, "bf16_if_native"),
+         "dflash-sliding": (30, 6.0e-3, "bf16_if_native")}
 # The T = 1 band at depth 1, from benchmarks/results/2026-11-27.served_t1_spread.json (bench_served_t1.py --repeats 16
 # on this module's EAGLE-3.1 recipe and prompts, 96 tokens at T = 1): vLLM's depth-1 survival over 16 repeats spread
 # 0.090-0.176 with a standard deviation of its log of 0.20, so the log of the ratio of two such samples (vLLM's and
@@ -51,7 +58,7 @@ RATIO_BAND = (math.exp(-3.3 * RATIO_SD_LOG), math.exp(3.3 * RATIO_SD_LOG))
 
 
 def _recipe(root: Path, name: str, base: str, model: str, train: str = "") -> Path:
-    steps, lr = STEPS[name]
+    steps, lr, precision = STEPS[name]
     path = root / f"{name}.yaml"
     path.write_text(f"""_base_: {REPO / base}
 project: conformance
@@ -61,7 +68,7 @@ data:
   prompts: {{sources: [{{source: {root / 'prompts.jsonl'}}}], max_samples: {len(PROMPTS)}, heldout: 0}}
   regenerate: {{engine: hf, sampling: {{temperature: 0.0, max_tokens: {ANSWER_TOKENS}}}}}
 cache: {{capture_backend: hf, max_length: 256}}
-train: {{precision: fp32, epochs: 1000, max_steps: {steps}, save_every: {steps}, val_every: 0, global_batch_size: 6,
+train: {{precision: {precision}, epochs: 1000, max_steps: {steps}, save_every: {steps}, val_every: 0, global_batch_size: 6,
         micro_batch_size: 6, lr: {lr}{train}}}
 logging: {{wandb: false, tensorboard: false}}   # tests/test_train.py tests the sinks
 model: {{{model}}}
@@ -101,7 +108,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     cache = CacheDataset(root / "outputs" / "conformance" / "cache" / "train")
     lengths = [len(cache[i]["input_ids"]) for i in range(len(cache))]
     assert len(lengths) == len(PROMPTS) and min(lengths) > WINDOW + 8, lengths  # the window bites on every sequence
-    return {name: root / "checkpoints" / "conformance" / name / f"step_{steps}" for name, (steps, _) in STEPS.items()}
+    return {name: root / "checkpoints" / "conformance" / name / f"step_{steps}" for name, (steps, _, _) in STEPS.items()}
 
 
 def _eval(ckpt: Path, out: Path, *opts: str) -> dict:
@@ -173,7 +180,6 @@ def _cli(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("draft", ["dflash", "dflash-sliding"])
 def test_vllm_accepts_dflash_as_ours_at_every_depth(trained, smollm2_dir, tmp_path, draft):
-    from deepspec.export.check import check_export
     from deepspec.export.writers import export_draft
 
     ckpt = trained[draft]
@@ -183,8 +189,6 @@ def test_vllm_accepts_dflash_as_ours_at_every_depth(trained, smollm2_dir, tmp_pa
     assert cfg["deepspec"]["num_speculative_tokens"] == S and cfg["draft_vocab_size"] == 8192
     if draft == "dflash-sliding":
         assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == WINDOW
-    rep = check_export(export, ("vllm",))  # `deepspec check` against vLLM's class (EAGLE-3.1: the quickstart e2e)
-    assert rep.engines[0].status == "pass", rep.table()
     with _serve(export, smollm2_dir, tmp_path / "vllm.log") as server:
         greedy = _eval(ckpt, tmp_path / "t0", f"eval.engine_url={server.url}")
     (cell,) = greedy["engine"]["tasks"].values()
