@@ -37,7 +37,9 @@ def preload() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (lazy attributes)
+    transformers = sys.modules["transformers"]
+    for name in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer"):  # resolved on first access
+        getattr(transformers, name)
 
 
 def _child(script: Path, args: list[str], env: dict[str, str], cwd: Path, out: str, err: str) -> None:

@@ -267,23 +267,31 @@ def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir
 
 def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
     """On CPU the server's environment keeps vLLM's single-process executor (one worker process fewer to start), binds
-    the model to our cores, and never overrides a value the user exported; on a GPU it adds neither."""
+    the model to our cores, asks for the engine process to be forked, and never overrides a value the user exported; on
+    a GPU it adds none of these."""
     import torch
 
     from deepspec.data.engines.server import VLLMServer
+    from deepspec.vllm_plugin import FORK_ENGINE
 
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     env = VLLMServer("m", port=1).server_env()
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert env[FORK_ENGINE] == "1"  # the engine process forked (deepspec/vllm_plugin.py; tests/test_vllm_plugin.py)
+    assert FORK_ENGINE not in VLLMServer("m", port=1, env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}).server_env()
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert FORK_ENGINE not in VLLMServer("m", port=1).server_env()
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
     assert VLLMServer("m", port=1, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert VLLMServer("m", port=1).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     env = VLLMServer("m", port=1).server_env()
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env and FORK_ENGINE not in env
 
 
 def test_an_in_process_vllm_engine_on_cpu_runs_in_this_process(monkeypatch):

@@ -70,3 +70,38 @@ def test_vllm_cpu_fixes_with_the_plugin():
         assert broken["temperatures"] != pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0]), broken
         err = broken["rms_norm_err_per_layer"]  # layer 0 right, later layers normed with layer 0's weight
         assert err[0] < 1e-5 and min(err[1:]) > 0.5, broken
+
+
+def test_the_engine_process_is_forked_only_when_asked_and_the_user_chose_no_method(monkeypatch):
+    """3. (deepspec/vllm_plugin.py `_fork_engine_process`): after vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD
+    to spawn, the plugin turns it into fork when deepspec's server asked (DEEPSPEC_VLLM_FORK_ENGINE=1, which
+    VLLMServer.server_env sets on CPU unless the user exported a method: tests/test_regenerate.py); otherwise vLLM's
+    choice stands. vLLM's own function is stubbed to what it does with the variable. (A real server's engine process is
+    checked in tests/test_regenerate_vllm.py.)"""
+    pytest.importorskip("vllm")
+    from vllm.platforms.cpu import CpuPlatform
+
+    from deepspec import vllm_plugin
+
+    calls = []
+
+    def vllm_sets_spawn(cls, vllm_config):
+        calls.append(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    def platform_after(env: dict[str, str]) -> str:
+        monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllm_sets_spawn))
+        for key in (vllm_plugin.FORK_ENGINE, "VLLM_WORKER_MULTIPROC_METHOD"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        vllm_plugin._fork_engine_process()
+        vllm_plugin._fork_engine_process()  # vLLM loads plugins more than once per process: wrapped once
+        CpuPlatform.check_and_update_config("config")
+        return os.environ["VLLM_WORKER_MULTIPROC_METHOD"]
+
+    assert platform_after({vllm_plugin.FORK_ENGINE: "1"}) == "fork"
+    assert platform_after({vllm_plugin.FORK_ENGINE: "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}) == "fork"  # vLLM's own, set earlier
+    assert platform_after({}) == "spawn"
+    assert platform_after({vllm_plugin.FORK_ENGINE: "0"}) == "spawn"
+    assert calls == ["config"] * 4  # vLLM's own update always runs, once per call
