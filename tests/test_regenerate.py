@@ -285,7 +285,8 @@ def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     assert FORK_ENGINE not in VLLMServer("m", port=1).server_env()
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
-    assert VLLMServer("m", port=1, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    worker = VLLMServer("m", port=1, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).server_env()
+    assert worker["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and FORK_ENGINE not in worker  # a worker would fork from it
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert VLLMServer("m", port=1).server_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")

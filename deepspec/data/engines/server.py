@@ -176,7 +176,7 @@ class VLLMServer:
         process fewer to start, 30 -> 23 s to ready on one core, the same tokens/s and the same greedy text
         (SmolLM2, 8 prompts x 64 tokens, 1 and 8 in flight). The API server still runs the engine in its own process,
         forked rather than spawned (deepspec/vllm_plugin.py `_fork_engine_process`: 23 -> 16 s to ready) unless the
-        user chose VLLM_WORKER_MULTIPROC_METHOD. A value the user exported wins."""
+        user chose VLLM_WORKER_MULTIPROC_METHOD or vLLM's separate worker process. A value the user exported wins."""
         import torch
 
         from deepspec.data.engines.vllm_engine import vllm_cpu_env
@@ -188,8 +188,8 @@ class VLLMServer:
                 env.setdefault(key, value)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env.update(self.env)
-        if cpu and "VLLM_WORKER_MULTIPROC_METHOD" not in env:
-            env.setdefault(FORK_ENGINE, "1")
+        if cpu and "VLLM_WORKER_MULTIPROC_METHOD" not in env and env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            env.setdefault(FORK_ENGINE, "1")  # the engine process runs the model itself: nothing forks after a torch op
         return env
 
     def healthy(self, timeout: float = 2.0) -> bool:
