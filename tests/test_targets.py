@@ -270,3 +270,36 @@ def test_embedded_target_is_converted_once_when_processes_ask_at_the_same_time(t
         t.join()
     assert calls == ["smollm2-135m-instruct"] and len(got) == 3 and len(set(got)) == 1
     assert got[0] == tmp_path / "targets" / "smollm2-135m-instruct"
+
+
+def test_the_conversion_parses_the_gguf_file_once_and_leaves_gguf_as_it_was(tmp_path):
+    """deepspec/targets/embedded.py `_gguf_parsed_once`: within the conversion, transformers' three parses of the same
+    GGUF file (tokenizer, config, weights) get one reader, and gguf's tensor-name table is built once per (arch,
+    layers); after it - also after an error - gguf's own functions are back. (Measured on SmolLM2: the conversion
+    9.7 s instead of 18.1 s on one core, every converted file byte-identical.)"""
+    import gguf
+    import numpy as np
+
+    from deepspec.targets.embedded import _gguf_parsed_once
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, table = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first and first.fields["general.architecture"].contents() == "llama"
+        assert first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 30)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, table)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # gguf's own reader again
+    with pytest.raises(RuntimeError), _gguf_parsed_once():
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, table)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -90,6 +91,27 @@ def build_lock(out: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF file three times to load its tokenizer, config and weights (`gguf.GGUFReader`,
+    ~3.5 s each for SmolLM2's 49k-token vocabulary, in Python) and rebuilds gguf's tensor-name table for every module
+    of the model (`gguf.get_tensor_name_map`, ~400 calls): both are pure functions of their arguments, so for the
+    conversion each is computed once. Read-only use: the same reader and table serve every call."""
+    import gguf
+
+    saved = {name: getattr(gguf, name, None) for name in ("GGUFReader", "get_tensor_name_map")}
+    if None in saved.values():  # another gguf layout: convert without it
+        yield
+        return
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved["GGUFReader"])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved["get_tensor_name_map"])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(gguf, name, value)
+
+
 def _convert(name: str, src: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -102,8 +124,9 @@ def _convert(name: str, src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        with _gguf_parsed_once():
+            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         # save_pretrained refuses a gguf-loaded model: copy the dequantized weights into a plain one.
         config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
         config.dtype = "bfloat16"
