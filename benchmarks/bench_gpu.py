@@ -19,7 +19,7 @@ environment, then one line per measured row, then the invocation's summary, so a
 to a later one that hangs. Every measurement runs in a process group of its own (benchmarks/_procs.py): past its
 time the whole tree (torchrun and its workers, compile workers, loader processes) is killed and an error line says so.
 
-Rows ours / peer / long / cache (benchmarks/bench_train.py, one subprocess per row): a Qwen3-8B-shaped target
+Rows ours / peer / long / cache (benchmarks/bench_train.py, one subprocess per row; with --smoke in its process): a Qwen3-8B-shaped target
 (random embedding / norm / LM head), bf16, `--scale-seq-len` (4096) tokens per sample, `--scale-accum` (8) micro-batches
 of one sample per optimizer step as a recipe accumulates, with the recipe's optimizer and anchors: our tokens/s, peak
 GPU memory (torch.cuda.max_memory_allocated), MFU (the model's bf16 FLOPs over the GPU's dense bf16 peak; fp32 FLOPs

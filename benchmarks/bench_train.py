@@ -49,7 +49,9 @@ whole result as one JSON object on the last line. A row is one (algorithm, seq_l
 Each row trains in a fresh subprocess in a process group of its own (benchmarks/_procs.py), so peak memory is per row
 and a row that runs past --row-timeout is killed with every process it started. The run's final checkpoint is not
 written (it would follow the measured steps and cost seconds of copies). --smoke: the tiny shape, 64-token samples,
-3 steps of 2 micro-batches — a CPU check of every code path above.
+3 steps of 2 micro-batches — a CPU check of every code path above; its rows train one after the other in this
+process (`row_process`: "shared (--smoke)"; a new interpreter would spend 3-4 s importing torch and transformers on
+seconds of work), so a smoke row's CPU peak RSS is the process's so far and --row-timeout does not apply to it.
 """
 
 from __future__ import annotations
@@ -849,11 +851,15 @@ def main() -> int:
                     row["cache"] = write_feature_cache(cache_dir, samples, load_config(recipe, opts))
                     row["cache"]["write_s"] = round(time.perf_counter() - t_cache, 1)
                     spec["cache"] = str(cache_dir)
-                proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], args.row_timeout,
-                                 env=dict(os.environ, PYTHONPATH=str(REPO)))
-                if proc.returncode != 0:
-                    raise RuntimeError(last_error(proc.stderr) or f"exit {proc.returncode}")
-                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+                if args.smoke:  # a check of the row's code: in this process (see the module docstring)
+                    row.update(json.loads(json.dumps(_our_row(spec))))
+                    row["row_process"] = "shared (--smoke)"
+                else:
+                    proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], args.row_timeout,
+                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+                    if proc.returncode != 0:
+                        raise RuntimeError(last_error(proc.stderr) or f"exit {proc.returncode}")
+                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             except Exception as e:  # report and go on
                 row["error"] = f"{type(e).__name__}: {e}"[-2000:]
             if algorithm != "eagle3":

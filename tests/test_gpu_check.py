@@ -293,6 +293,8 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert "collected" in (out / "log.txt").read_text()
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
     by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None and r.get("micro_batch") == 1}
+    # the smoke checks the rows' code: they train in bench_train's own process (a measurement gives each its own)
+    assert train and all(r["row_process"] == "shared (--smoke)" for r in train), [r.get("row_process") for r in train]
     packed = [r for r in train if r.get("micro_batch") == 2]
     assert len(packed) == 1 and "error" not in packed[0] and packed[0]["accum"] == 2 and packed[0]["tokens_per_s"] > 0, packed
     for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
