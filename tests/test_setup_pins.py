@@ -49,13 +49,25 @@ def test_setup_uses_the_constraints_and_builds_nothing_from_source():
 
 
 def test_setup_leaves_the_installed_modules_byte_compiled():
-    """scripts/setup.sh installs without pip's one-core byte-compilation and compiles on every core instead: every
-    module must still have its .pyc (where PYTHONDONTWRITEBYTECODE is set, a missing one is recompiled by every
-    process that imports it)."""
+    """scripts/setup.sh installs without pip's one-core byte-compilation and compiles on every core instead; under
+    scripts/test.sh (DEEPSPEC_SETUP_COMPILE=0) it leaves that to the suite's processes, which then write the .pyc of
+    each module they import (PYTHONDONTWRITEBYTECODE unset), and the next plain setup run compiles the rest. Either
+    way a module the suite's processes import has its .pyc: where PYTHONDONTWRITEBYTECODE is set, a missing one is
+    recompiled by every process that imports it."""
     import importlib.util
+    import os
+    import subprocess
+    import sys
 
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert "--no-compile" in setup and "compileall" in setup
-    for name in ("torch", "torch.nn.modules.linear", "transformers.modeling_utils", "yaml", "httpx"):
+    assert 'COMPILE="${DEEPSPEC_SETUP_COMPILE:-1}"' in setup and '"$STAMP-compiled"' in setup
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    lazy = "DEEPSPEC_SETUP_COMPILE=0 bash" in test_sh
+    assert lazy == ("unset PYTHONDONTWRITEBYTECODE" in test_sh)  # lazy compilation only where the .pyc get written
+    names = ("torch", "torch.nn.modules.linear", "transformers.modeling_utils", "yaml", "httpx")
+    # a process of the suite importing them (as the tests' own subprocesses do, with this process's environment)
+    subprocess.run([sys.executable, "-c", f"import {', '.join(names)}"], check=True, env=dict(os.environ))
+    for name in names:
         source = importlib.util.find_spec(name).origin
         assert Path(importlib.util.cache_from_source(source)).is_file(), f"{source} has no .pyc"
