@@ -15,6 +15,7 @@ def load_script(path: str | Path, name: str | None = None):
     path = ROOT / path
     spec = importlib.util.spec_from_file_location(name or path.stem, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as an import does: a dataclass in it looks its module up there
     sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(mod)

@@ -88,10 +88,9 @@ def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):
     import torch
 
     if not torch.cuda.is_available() and sys.platform.startswith("linux"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        from _procs import descendants
+        from script_loader import load_script
 
-        below = descendants(vllm_target_server._proc.pid)
+        below = load_script("benchmarks/_procs.py").descendants(vllm_target_server._proc.pid)
         children = {c: open(f"/proc/{c}/cmdline", "rb").read() for c in below}
         assert len(children) == 1 and b"resource_tracker" not in next(iter(children.values())), children
         environ = open(f"/proc/{next(iter(children))}/environ", "rb").read().split(b"\0")

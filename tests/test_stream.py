@@ -120,12 +120,11 @@ def test_streamed_run_trains_exactly_like_the_offline_cache(recipe, reference, t
     _assert_each_sample_once_per_epoch(cfg, spool)
     # with spool_keep the producers still write the kept records into an offline cache after the trainer's last read:
     # the trainer's process waits for them at exit (`deepspec train`), this one - which goes on - for their last beat
-    deadline = time.monotonic() + 60
-    while True:
+    def last_beats():
         beats = [json.loads((spool / f"producer.{w}.json").read_text()) for w in (0, 1)]
-        if all(b["state"] in ("stopped", "failed") for b in beats) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return beats if all(b["state"] in ("stopped", "failed") for b in beats) else None
+
+    beats = _wait(last_beats, 60, "the producers' last heartbeats")
     assert all(b["state"] == "stopped" for b in beats), beats
     # 24 samples captured once; epoch 2 linked back from kept/ (more than 24 links: the small cap evicts some ahead)
     assert sum(b["produced"] for b in beats) == 24 and sum(b.get("restored", 0) for b in beats) >= 24, beats
