@@ -303,3 +303,53 @@ def test_the_conversion_parses_the_gguf_file_once_and_leaves_gguf_as_it_was(tmp_
     with pytest.raises(RuntimeError), _gguf_parsed_once():
         raise RuntimeError("a conversion that fails")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, table)
+
+
+def test_the_chat_template_hash_read_from_files_is_the_loaded_tokenizers(tmp_path, smollm2_dir, monkeypatch):
+    """`chat_template_hash` (training ranks and exports: no tokenizer import) equals `template_hash` of the tokenizer
+    transformers loads, for the embedded target, a saved tiny one, and each way a folder can hold its templates: the
+    template in tokenizer_config.json (a string, a list of named ones), chat_template.jinja overriding it, extra named
+    templates beside it, none at all. A custom tokenizer class is loaded, not read."""
+    import json
+    import shutil
+
+    from deepspec.targets import chat_template_hash, load_tokenizer, save_tiny_target, template_hash
+
+    tiny = save_tiny_target(tmp_path / "tiny", "qwen3")
+    jinja = (tiny / "chat_template.jinja").read_text()
+    config = json.loads((tiny / "tokenizer_config.json").read_text())
+
+    def variant(name: str, *, in_config=None, jinja_file: str | None = None, extra: dict | None = None, **more) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(tiny, folder)
+        (folder / "chat_template.jinja").unlink()
+        conf = {k: v for k, v in config.items() if k != "chat_template"} | more
+        if in_config is not None:
+            conf["chat_template"] = in_config
+        (folder / "tokenizer_config.json").write_text(json.dumps(conf))
+        if jinja_file is not None:
+            (folder / "chat_template.jinja").write_text(jinja_file)
+        for key, text in (extra or {}).items():
+            (folder / "additional_chat_templates").mkdir(exist_ok=True)
+            (folder / "additional_chat_templates" / f"{key}.jinja").write_text(text)
+        return folder
+
+    folders = [
+        smollm2_dir, tiny,
+        variant("in-config", in_config="{{ messages[0]['content'] }}"),
+        variant("named-list", in_config=[{"name": "default", "template": jinja}, {"name": "tool_use", "template": "{{ tools }}"}]),
+        variant("file-wins", in_config="{{ 'from the config' }}", jinja_file=jinja + "\r\n"),
+        variant("extra", jinja_file=jinja, extra={"tool_use": "{{ tools | tojson }}"}),
+        variant("extra-only", in_config="{{ 'ignored' }}", extra={"rag": "{{ documents }}"}),
+        variant("none"),
+    ]
+    import deepspec.targets.load as load
+
+    loaded = []
+    monkeypatch.setattr(load, "load_tokenizer", lambda name, *a: loaded.append(name) or load_tokenizer(name, *a))
+    hashes = [chat_template_hash(str(f)) for f in folders]
+    assert not loaded  # every one read from its files
+    assert hashes == [template_hash(load_tokenizer(str(f))) for f in folders]
+    assert len(set(hashes)) == len(hashes)  # each variant is a template of its own: the comparison could fail
+    custom = variant("custom-class", in_config="{{ 'custom' }}", auto_map={"AutoTokenizer": ["nowhere.Tokenizer", None]})
+    assert chat_template_hash(str(custom)) == template_hash(load_tokenizer(str(custom))) and loaded == [str(custom)]

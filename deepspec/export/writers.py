@@ -125,9 +125,9 @@ def check_target(meta: dict[str, Any], target: str | None) -> dict[str, Any] | N
             f"The checkpoint was trained for a {prov['target_architecture']} target but {path} is a {arch_name}; use the matching --target."
         )
     if prov.get("template_hash") and (path / "tokenizer_config.json").is_file():
-        from deepspec.targets.load import load_tokenizer, template_hash
+        from deepspec.targets.load import chat_template_hash
 
-        got = template_hash(load_tokenizer(str(path)))
+        got = chat_template_hash(str(path))
         if got != prov["template_hash"]:
             raise CheckpointError(
                 f"The target's chat template hash {got} differs from the checkpoint's template_hash {prov['template_hash']}; "

@@ -260,16 +260,21 @@ def check_resumable_plan(directory: Path, plan: Plan) -> None:
 
 def load_plan_inputs(cfg):
     """(tokenizer, the target's HF config, its text config for a multimodal one): all a plan needs of the target, no weights."""
+    from deepspec.targets import load_tokenizer
+
+    return load_tokenizer(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code), load_target_config(cfg)
+
+
+def load_target_config(cfg):
+    """The target's HF config (its text config for a multimodal one), without its tokenizer or weights."""
     from transformers import AutoConfig
 
-    from deepspec.targets import load_tokenizer, resolve_target_path
+    from deepspec.targets import resolve_target_path
 
-    tokenizer = load_tokenizer(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
     tconf = AutoConfig.from_pretrained(
         resolve_target_path(cfg.target.name), revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    tconf = getattr(tconf, "text_config", None) or tconf
-    return tokenizer, tconf
+    return getattr(tconf, "text_config", None) or tconf
 
 
 def plan_split(cfg, split: str) -> Plan:

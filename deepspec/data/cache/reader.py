@@ -184,16 +184,16 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0, pad_to_mul
 def expected_provenance(cfg, target=None) -> dict[str, Any]:
     """What a training run expects of its cache: from its config and the target (the loaded one, or
     its tokenizer + HF config, which are cheap to read)."""
-    from deepspec.data.cache.plan import load_plan_inputs, resolve_taps, tap_rows
-    from deepspec.targets import template_hash
+    from deepspec.data.cache.plan import load_target_config, resolve_taps, tap_rows
+    from deepspec.targets import chat_template_hash
 
     exp: dict[str, Any] = {"target": cfg.target.name, "dtype": cfg.cache.dtype, "target_revision": cfg.target.revision,
                            "chat_template_kwargs": dict(cfg.target.chat_template_kwargs or {})}
     if target is not None:
         tconf, thash = target.config, target.template_hash
     else:
-        tokenizer, tconf = load_plan_inputs(cfg)
-        thash = template_hash(tokenizer)
+        tconf = load_target_config(cfg)
+        thash = chat_template_hash(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
     exp["hidden_size"] = tconf.hidden_size
     exp["template_hash"] = thash
     exp["taps"] = resolve_taps(cfg, tconf.num_hidden_layers)
