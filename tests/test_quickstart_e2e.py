@@ -19,8 +19,21 @@ RECIPE = "config/quickstart/eagle3_blend.yaml"  # what scripts/quickstart.sh run
 PROJECT = "quickstart-blend"
 
 
+def _bench(script: str, *argv: str, capsys, monkeypatch) -> dict:
+    """benchmarks/SCRIPT.py ARGV run by its own main() in this process (its argument parsing, its JSON line): the
+    figures it prints last (a fresh interpreter per script cost its start and imports three times)."""
+    from script_loader import load_script
+
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    capsys.readouterr()
+    code = load_script(f"benchmarks/{script}.py").main()
+    out = capsys.readouterr().out
+    assert code == 0, out[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(1500)
-def test_reduced_quickstart(tmp_path, smollm2_dir):
+def test_reduced_quickstart(tmp_path, smollm2_dir, capsys, monkeypatch):
     pytest.importorskip("vllm")
     out, ckpts = tmp_path / "outputs", tmp_path / "checkpoints"
     opts = [
@@ -86,23 +99,14 @@ def test_reduced_quickstart(tmp_path, smollm2_dir):
 
     # decoding sees what validation measured: the proposer replaying the held-out cache gets the
     # validation greedy tau (bf16 rounding aside) — an alignment slip between the two would split them
-    replay = subprocess.run(
-        [sys.executable, "benchmarks/bench_replay.py", str(step), "--cache", str(out / PROJECT / "cache" / "heldout")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert replay.returncode == 0, replay.stderr[-4000:]
-    figures = json.loads(replay.stdout.strip().splitlines()[-1])
+    heldout = str(out / PROJECT / "cache" / "heldout")
+    figures = _bench("bench_replay", str(step), "--cache", heldout, capsys=capsys, monkeypatch=monkeypatch)
     assert figures["rows"] > 50 and figures["depth"] == figures["val_depths"] == 3
     assert abs(figures["replay_greedy_tau"] - figures["val_greedy_tau"]) < 0.02, figures
 
     # the copy benchmark runs on the same checkpoint, trained and with the copy heads alone (model.init_copy_heads)
     for extra in ([], ["--reinit-copy-heads"]):
-        copy = subprocess.run(
-            [sys.executable, "benchmarks/bench_copy.py", str(step), "--cache", str(out / PROJECT / "cache" / "heldout"), *extra],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert copy.returncode == 0, copy.stderr[-4000:]
-        figures = json.loads(copy.stdout.strip().splitlines()[-1])
+        figures = _bench("bench_copy", str(step), "--cache", heldout, *extra, capsys=capsys, monkeypatch=monkeypatch)
         assert figures["positions"] > 50 and figures["untrained_copy_heads"] == bool(extra)
         if figures["loop_share"] > 0:  # a loop position is one the lookup gets right on the data
             assert figures["loop_lookup_top1"] >= 0.9, figures
