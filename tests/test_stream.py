@@ -175,42 +175,6 @@ def _stalled(spool: Path) -> int:
 
 
 @pytest.mark.slow
-def test_producer_killed_mid_epoch_restarts_and_every_sample_is_trained_once(recipe, reference):
-    """2 gloo workers fed by a separately started producer; SIGKILL it mid-epoch: the trainer waits (no read is lost or
-    invented), a new producer picks up where the trainer is, and training ends with each sample read exactly once per
-    epoch and the offline run's losses."""
-    from deepspec.config import load_config
-    from deepspec.data.stream.spool import spool_dir
-
-    opts = _opts("kill-producer", 0)
-    cfg = load_config(recipe, opts)
-    spool = spool_dir(cfg)
-    trainer = _train_sh(recipe, opts)
-    producer = _producer(recipe, opts)
-    try:
-        _wait(lambda: len(_reads(spool)) >= 10, 180, "10 reads")
-        os.kill(producer.pid, signal.SIGKILL)
-        producer.wait()
-
-        stalled_at = _stalled(spool)  # the reads stop once what the dead producer left in the spool is used up
-        assert stalled_at < STEPS * GLOBAL and trainer.poll() is None, stalled_at
-        producer = _producer(recipe, opts)
-        out, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        p_out, p_err = producer.communicate(timeout=60)
-        assert producer.returncode == 0, p_err[-3000:]
-    finally:
-        for p in (trainer, producer):
-            if p.poll() is None:
-                p.kill()
-    stats = json.loads(p_out.strip().splitlines()[-1])
-    assert 0 < stats["produced"] <= STEPS * GLOBAL and stats["peak_bytes"] <= CAP_GB * 1e9, stats
-    _assert_each_sample_once_per_epoch(cfg, spool)
-    ref, got = _losses(reference), _losses(cfg.run_dir)
-    assert set(got) == set(ref) and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (got, ref)
-
-
-@pytest.mark.slow
 def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recipe, reference):
     """train.sh with 2 workers and the trainer's own producer; rank 0 SIGKILLed after step 5 (last checkpoint: step 4),
     with records of the next step (plan step 5, counted from 0) already prefetched, read and deleted but never trained,
@@ -246,25 +210,34 @@ def _weights(step_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigterm_while_waiting_for_a_paused_producer_checkpoints_the_last_step_and_resumes_exactly(recipe, reference):
-    """2 gloo workers fed by a producer that is then paused (SIGSTOP): the trainer waits for the spool; SIGTERM to
-    train.sh stops it at once (the ranks stop waiting, agree, checkpoint their last finished step; exit 143, one
-    line), not after cache.stream_timeout_s or the launcher's grace. The producer continues (SIGCONT), the same command
-    resumes: the final weights are the uninterrupted run's, and the ledgers count every sample once per epoch."""
+def test_a_killed_producer_is_replaced_and_a_sigterm_while_waiting_for_a_paused_one_resumes_exactly(recipe, reference):
+    """2 gloo workers fed by a separately started producer, one run through two faults.
+    SIGKILL the producer mid-epoch: the trainer waits (no read is lost or invented), and a new producer picks up where
+    the running trainer is. Then pause that one (SIGSTOP): the trainer waits for the spool, and SIGTERM to train.sh
+    stops it at once (the ranks stop waiting, agree, checkpoint their last finished step; exit 143, one line), not
+    after cache.stream_timeout_s or the launcher's grace. The producer continues (SIGCONT), the same command resumes:
+    every step's loss and the final weights are the uninterrupted offline run's, and the ledgers count every sample
+    once per epoch."""
     from deepspec.config import load_config
     from deepspec.data.stream.spool import spool_dir
 
-    opts = _opts("sigterm-wait", 0)
+    opts = _opts("producer-faults", 0)
     cfg = load_config(recipe, opts)
     spool = spool_dir(cfg)
     trainer = _train_sh(recipe, opts, DEEPSPEC_PREEMPT_GRACE_S="100")
     producer = _producer(recipe, opts)
     try:
         _wait(lambda: len(_reads(spool)) >= 10, 180, "10 reads")
-        os.kill(producer.pid, signal.SIGSTOP)
-
-        stalled_at = _stalled(spool)  # what the producer made before it paused is read; then the trainer waits
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.wait()
+        stalled_at = _stalled(spool)  # the reads stop once what the dead producer left in the spool is used up
         assert stalled_at < STEPS * GLOBAL and trainer.poll() is None, stalled_at
+
+        producer = _producer(recipe, opts)  # picks up where the running trainer is
+        _wait(lambda: len(_reads(spool)) >= stalled_at + GLOBAL, 180, "the trainer to read again")
+        os.kill(producer.pid, signal.SIGSTOP)
+        paused_at = _stalled(spool)  # what the producer made before it paused is read; then the trainer waits
+        assert stalled_at < paused_at < STEPS * GLOBAL and trainer.poll() is None, (stalled_at, paused_at)
         t0 = time.monotonic()
         trainer.send_signal(signal.SIGTERM)
         _, err = trainer.communicate(timeout=90)
@@ -280,17 +253,19 @@ def test_sigterm_while_waiting_for_a_paused_producer_checkpoints_the_last_step_a
         _, err = rerun.communicate(timeout=300)
         assert rerun.returncode == 0, err[-3000:]
         assert f"resuming from {cfg.run_dir / f'step_{finished}'}" in err, err[-3000:]
-        _, p_err = producer.communicate(timeout=60)
+        p_out, p_err = producer.communicate(timeout=60)
         assert producer.returncode == 0, p_err[-3000:]
     finally:
         for p in (trainer, producer):
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
+    stats = json.loads(p_out.strip().splitlines()[-1])
+    assert 0 < stats["produced"] <= STEPS * GLOBAL and stats["peak_bytes"] <= CAP_GB * 1e9, stats
     ref, got = _weights(reference / f"step_{STEPS}"), _weights(cfg.run_dir / f"step_{STEPS}")
     assert ref.keys() == got.keys() and all((got[k].double() - ref[k].double()).abs().max() < 1e-5 for k in ref)
-    ref_loss, got_loss = _losses(reference), _losses(cfg.run_dir)
-    assert all(abs(got_loss[s] - ref_loss[s]) < 1e-5 for s in range(finished + 1, STEPS + 1)), (got_loss, ref_loss)
+    ref_loss, got_loss = _losses(reference), _losses(cfg.run_dir)  # steps 1..finished from the first run, then the rerun's
+    assert set(got_loss) == set(ref_loss) and all(abs(got_loss[s] - ref_loss[s]) < 1e-5 for s in ref_loss), (got_loss, ref_loss)
     _assert_each_sample_once_per_epoch(cfg, spool)
 
 
