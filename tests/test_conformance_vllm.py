@@ -112,9 +112,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
 
 
 def _eval(ckpt: Path, out: Path, *opts: str) -> dict:
-    """What `deepspec eval CKPT --engine vllm --opts ...` runs, in this process; returns results.json. With export.dir
-    (the served export) the eval describes that export instead of writing and checking one of its own (the check of an
-    export the eval writes: tests/test_quickstart_e2e.py and tests/test_check_vllm.py)."""
+    """What `deepspec eval CKPT --engine vllm --opts ...` runs, in this process; returns results.json."""
     from deepspec.config import load_config
     from deepspec.eval.runner import evaluate
 
@@ -205,7 +203,7 @@ def test_vllm_accepts_dflash_as_ours_at_every_depth(trained, smollm2_dir, tmp_pa
     if draft == "dflash-sliding":
         assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == WINDOW
     with _serve(export, smollm2_dir, tmp_path / "vllm.log") as server:
-        greedy = _eval(ckpt, tmp_path / "t0", f"eval.engine_url={server.url}", f"export.dir={export}")
+        greedy = _eval(ckpt, tmp_path / "t0", f"eval.engine_url={server.url}")
     (cell,) = greedy["engine"]["tasks"].values()
     _assert_served_as_trained(draft, cell, greedy["overall"]["rounds"])
     assert "served as trained" in (tmp_path / "t0" / "results.md").read_text()
@@ -239,7 +237,7 @@ def test_eagle3_served_as_trained_and_as_contracted(trained, smollm2_dir, tmp_pa
     with _serve(export, smollm2_dir, tmp_path / "vllm.log") as server:
         eng = _engine_only(ckpt, export, ours, tmp_path / "t0-engine", server.url)
         # vLLM's default protocol at T = 1, on longer answers (~300 rounds a side)
-        sampled = _eval(ckpt, tmp_path / "t1", f"eval.engine_url={server.url}", f"export.dir={export}", "eval.temperature=1.0",
+        sampled = _eval(ckpt, tmp_path / "t1", f"eval.engine_url={server.url}", "eval.temperature=1.0",
                         "eval.draft_sample_method=greedy", "eval.max_new_tokens=96")
         good = _cli(capsys, "check", str(export), "--served", server.url)
         bad = _cli(capsys, "check", str(_inflated_contract(export, tmp_path / "inflated")), "--served", server.url, "--json")
