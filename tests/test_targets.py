@@ -353,3 +353,43 @@ def test_the_chat_template_hash_read_from_files_is_the_loaded_tokenizers(tmp_pat
     assert len(set(hashes)) == len(hashes)  # each variant is a template of its own: the comparison could fail
     custom = variant("custom-class", in_config="{{ 'custom' }}", auto_map={"AutoTokenizer": ["nowhere.Tokenizer", None]})
     assert chat_template_hash(str(custom)) == template_hash(load_tokenizer(str(custom))) and loaded == [str(custom)]
+
+
+def test_a_recorded_target_config_builds_every_draft_as_the_resolved_one(tmp_path, monkeypatch, smollm2_dir):
+    """Training ranks read the target's config numbers recorded by the first process that resolved it (no transformers
+    import): for the embedded target and every tiny family, each recorded field equals the resolved config's, every
+    algorithm builds the same draft architecture and taps from either, and the adapter and stream count agree. An
+    unrecorded field raises instead of defaulting; a changed config.json is resolved again; deepspec's own tiny model
+    type is never recorded."""
+    import json
+
+    from deepspec.config.model import ModelConfig
+    from deepspec.drafts import get_algorithm
+    from deepspec.drafts.registry import available_algorithms
+    from deepspec.targets import save_tiny_target
+    from deepspec.targets.adapters import adapter_for
+    from deepspec.targets.hf_config import FIELDS, RecordedConfig, target_config
+
+    monkeypatch.setenv("DEEPSPEC_CACHE", str(tmp_path / "cache"))
+    folders = [smollm2_dir] + [save_tiny_target(tmp_path / f, f) for f in tiny_families() if f != "tiny_mhc"]
+    for folder in folders:
+        real = target_config(str(folder))
+        recorded = target_config(str(folder))
+        assert not isinstance(real, RecordedConfig) and isinstance(recorded, RecordedConfig), folder
+        for name in FIELDS:
+            assert json.dumps(getattr(recorded, name, "absent")) == json.dumps(getattr(real, name, "absent")), (folder, name)
+        assert getattr(recorded, "text_config", None) is None
+        assert adapter_for(recorded) is adapter_for(real) and adapter_for(recorded).hc_mult(recorded) == adapter_for(real).hc_mult(real)
+        for algorithm in available_algorithms():
+            built = [get_algorithm(algorithm).from_target_config(c, ModelConfig(algorithm=algorithm)) for c in (real, recorded)]
+            assert built[0].arch == built[1].arch and built[0].taps == built[1].taps, (folder, algorithm)
+    with pytest.raises(LookupError, match="not recorded"):
+        getattr(recorded, "pad_token_id", None)
+
+    edited = tmp_path / "llama"  # another MLP width in config.json: resolved again, not read from the old record
+    conf = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**conf, "intermediate_size": conf["intermediate_size"] * 2}))
+    again = target_config(str(edited))
+    assert not isinstance(again, RecordedConfig) and again.intermediate_size == 2 * conf["intermediate_size"]
+    mhc = save_tiny_target(tmp_path / "mhc", "tiny_mhc")
+    assert not any(isinstance(target_config(str(mhc)), RecordedConfig) for _ in range(2))

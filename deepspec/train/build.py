@@ -69,9 +69,8 @@ def load_target_head(path: str, config: Any) -> tuple[torch.Tensor, torch.Tensor
 
 def build_parts(cfg, info):
     """Draft from the registry sized by the target's HF config; data from the offline cache."""
-    from transformers import AutoConfig
-
     from deepspec.drafts.registry import get_algorithm
+    from deepspec.targets.hf_config import target_config as resolve_config
     from deepspec.targets.load import resolve_target_path
     from deepspec.train.parts import TrainParts
 
@@ -88,8 +87,7 @@ def build_parts(cfg, info):
             train_data, val_data = open_stream_datasets(cfg, info, resume_step(cfg))
         else:
             train_data, val_data = open_cache_datasets(cfg)
-        target_config = AutoConfig.from_pretrained(path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
-        target_config = getattr(target_config, "text_config", None) or target_config
+        target_config = resolve_config(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
         embed, head = load_target_head(path, target_config)
     cls = get_algorithm(cfg.model.algorithm)
     model = cls.from_target_config(target_config, cfg.model)

@@ -266,15 +266,11 @@ def load_plan_inputs(cfg):
 
 
 def load_target_config(cfg):
-    """The target's HF config (its text config for a multimodal one), without its tokenizer or weights."""
-    from transformers import AutoConfig
+    """The target's HF config (its text config for a multimodal one), without its tokenizer or weights: its recorded
+    numbers where this machine resolved it before (deepspec/targets/hf_config.py)."""
+    from deepspec.targets.hf_config import target_config
 
-    from deepspec.targets import resolve_target_path
-
-    tconf = AutoConfig.from_pretrained(
-        resolve_target_path(cfg.target.name), revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
-    return getattr(tconf, "text_config", None) or tconf
+    return target_config(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
 
 
 def plan_split(cfg, split: str) -> Plan:
