@@ -226,12 +226,15 @@ def test_auto_is_the_default_once_the_trainer_compiles_regions():
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory, tiny_llama_dir) -> Path:
+def recipe(tmp_path_factory, tiny_qwen3_dir) -> Path:
+    """The EAGLE-3 draft of test_compiled_layers_equal_eager... (target, layers, TTT depth, checkpointing, a trained
+    head, 2 rows a micro-batch; 2 micro-batches a step): its regions are the graphs that test compiled, so a new machine
+    compiles them once."""
     from tiny_recipe import cached_recipe
 
-    return cached_recipe(tmp_path_factory.mktemp("compile"), tiny_llama_dir, samples=8, heldout=2, max_length=96,
-                         model="num_draft_layers: 2",
-                         train="optimizer: adamw, global_batch_size: 2, micro_batch_size: 1, max_steps: 3, save_every: 3, "
+    return cached_recipe(tmp_path_factory.mktemp("compile"), tiny_qwen3_dir, samples=8, heldout=2, max_length=96,
+                         model="num_draft_layers: 2, ttt_length: 3, activation_checkpointing: true, freeze_lm_head: false",
+                         train="optimizer: adamw, global_batch_size: 4, micro_batch_size: 2, max_steps: 3, save_every: 3, "
                                "val_every: 3, log_every: 1, precision: fp32")
 
 
