@@ -4,6 +4,7 @@ cause. The drafts use 32-wide attention heads (vLLM's CPU attention kernels take
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from random_drafts import edit_export, random_draft_checkpoint
 from test_check import (  # the same edits as the SGLang check's
     _causal_block, _drop_fc_norm, _drop_fc_norm_weights, _flip_norm_output, _rope_theta_x4, _shift_d2t, _wrong_mask)
 
-pytestmark = [pytest.mark.vllm]
-pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 
 def _aux_plus_one(cfg):  # vLLM's layout keeps the ids at the top level, SGLang's under eagle_config

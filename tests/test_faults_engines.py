@@ -27,7 +27,8 @@ lock, inflight = threading.Lock(), [0]
 # optional behaviour (argv[1], JSON): "late": seconds after the answer its stats are recorded (vLLM records them after
 # sending it); "unavailable_after" / "unavailable_s": once that many requests are answered, every chat request for
 # that many seconds is answered 503 at once; "slow": [first, count, seconds]: the requests received as number
-# first..first+count-1 take that long (and are still counted when the client has given up)
+# first..first+count-1 take that long (and are still counted when the client has given up); "delay": seconds every
+# other request takes (0.6)
 opts = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 received, answered, window = [0], [0], [None]
 # vLLM's speculative-decoding counters as /metrics reports them: each answered request adds one draft of 2 tokens and
@@ -84,7 +85,7 @@ class Handler(BaseHTTPRequestHandler):
         slow = first <= n < first + count
         if slow:
             print(f"slow {body['messages'][-1]['content']}", flush=True)
-        time.sleep(seconds if slow else 0.6)
+        time.sleep(seconds if slow else opts.get("delay", 0.6))
         k = int("".join(ch for ch in body["messages"][-1]["content"] if ch.isdigit()) or 0) % 3
 
         def record():
@@ -310,6 +311,12 @@ def test_engine_eval_with_every_server_gone_stops_with_one_sentence_naming_the_l
     assert time.monotonic() - t0 < 60
 
 
+# the pool tests' ordinary answers: 0.25 s (well inside the 1 s request timeout, and 288 requests at 32 in flight still
+# keep the server busy for ~2 s around its 503 window or its slow requests) instead of the 0.6 s that makes a server
+# killed mid-run hold requests in flight
+FAST = 0.25
+
+
 def _pool_eval(tmp_path: Path, target: Path, servers: Servers, timeout_s: float):
     """The engine eval's pool (eval/engine_pool.py) with its real chat client over `servers`, a request timeout of
     `timeout_s` and counters settled over 0.8 s, on the 192 conversations of `_engine_eval`; returns (counter delta,
@@ -341,7 +348,7 @@ def test_engine_eval_server_answering_503_for_a_while_counts_every_request_exact
     requests it had already accepted are answered and counted) and records each request's stats 0.1 s after its
     answer: it leaves, rejoins once its requests are back and its counters settled, maybe leaves again, and in the
     end every request is counted once."""
-    srv = servers(1, {"unavailable_after": 40, "unavailable_s": 1.5, "late": 0.1})
+    srv = servers(1, {"unavailable_after": 40, "unavailable_s": 1.5, "late": 0.1, "delay": FAST})
     delta, pool, items = _pool_eval(tmp_path, tiny_llama_dir, srv, timeout_s=30)
     assert srv.started(0, "unavailable")  # it did answer 503
     assert _counted(delta) == _expected_counts(items)  # nothing counted twice, nothing lost
@@ -357,7 +364,7 @@ def test_engine_eval_server_slower_than_the_request_timeout_counts_every_request
     counters settled (which takes the timed-out ones in), rejoins it, and counts every request once. (Stats are
     recorded at the answer here: recorded late, the missed stats of the last answers, which are the reruns of the
     timed-out conversations, would hide their double count.)"""
-    srv = servers(1, {"slow": [60, 2, 1.5]})
+    srv = servers(1, {"slow": [60, 2, 1.5], "delay": FAST})
     delta, pool, items = _pool_eval(tmp_path, tiny_llama_dir, srv, timeout_s=1.0)
     assert len(srv.started(0, "slow")) == 2  # two requests outlived the timeout
     assert _counted(delta) == _expected_counts(items)

@@ -340,3 +340,21 @@ def test_vllm_cpu_thread_binding_covers_every_usable_core(monkeypatch):
     vllm_engine.vllm_llm_kwargs("model", None, 0, {})
     assert vllm_engine.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert vllm_engine.os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_a_server_needs_vllm_installed_not_imported_and_results_name_its_version(monkeypatch):
+    """VLLMServer.start and the engine eval's results only need to know vLLM is there and which version (the server
+    process imports it): without it, one sentence saying how to install it; the version is the package's own."""
+    import importlib.util
+
+    import vllm
+
+    from deepspec.data.engines.server import VLLMServer
+    from deepspec.errors import MissingDependencyError
+    from deepspec.eval.engine import vllm_version
+
+    assert vllm_version() == vllm.__version__
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(MissingDependencyError, match="scripts/setup.sh"):
+        VLLMServer("m", port=1).start()

