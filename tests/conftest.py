@@ -134,12 +134,30 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _second_worker_starts_without_the_embedded_target(items) -> None:
+    """Move the first module whose first test does not need the embedded target to second place. The first two modules
+    start at once on the two workers; when both need the embedded target, one converts it (~10 s on a new machine) while
+    the other waits for it, idle."""
+    first: dict[str, object] = {}
+    for item in items:
+        first.setdefault(_module(item), item)
+    modules = list(first)
+    needs = {m: "smollm2_dir" in getattr(it, "fixturenames", ()) for m, it in first.items()}
+    if len(modules) < 3 or not needs[modules[0]] or not needs[modules[1]]:
+        return
+    free = next((m for m in modules[2:] if not needs[m]), None)
+    if free is not None:
+        order = {m: i for i, m in enumerate([modules[0], free, *[m for m in modules[1:] if m != free]])}
+        items.sort(key=lambda item: order[_module(item)])
+
+
 def pytest_collection_modifyitems(config, items):
     # The longest modules first (their own order kept): parallel workers then start on them and fill in with the short
     # ones, instead of meeting the long ones at the end of the queue with the other worker idle (scripts/test.sh turns
     # off xdist's own order, by number of tests, which puts a one-test end-to-end module last).
     rank = _module_rank(items)
     items.sort(key=lambda item: rank[_module(item)])
+    _second_worker_starts_without_the_embedded_target(items)
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:
         return

@@ -99,3 +99,23 @@ def test_parallel_workers_take_disjoint_cores_and_their_children_inherit_them():
     assert lone["got"] is None and lone["now"] == cores
     crowd = pin("gw0", len(cores) + 1)
     assert crowd["got"] is None and crowd["now"] == cores
+
+
+def test_the_second_worker_does_not_start_by_waiting_for_the_embedded_target():
+    """The first two modules start at once on the two workers: when both need the embedded target, the first module
+    that does not moves to second place (the queue otherwise keeps its order); nothing moves when one of them is free."""
+    from types import SimpleNamespace
+
+    from conftest import _second_worker_starts_without_the_embedded_target as reorder
+
+    def items(spec: str) -> list:
+        return [SimpleNamespace(nodeid=f"tests/{m}.py::t{i}", fixturenames=["tmp_path"] + ["smollm2_dir"] * (m.isupper()))
+                for m in spec for i in range(2)]
+
+    def order(spec: str) -> str:
+        got = items(spec)
+        reorder(got)
+        return "".join(dict.fromkeys(it.nodeid.split("/")[1][0] for it in got))
+
+    assert order("ABcDe") == "AcBDe"
+    assert order("AbCd") == "AbCd" and order("aBC") == "aBC" and order("ABC") == "ABC"
