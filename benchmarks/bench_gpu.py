@@ -210,12 +210,13 @@ def _liger() -> str:
 
 
 def _environment() -> dict:
+    import importlib.metadata
     import importlib.util
 
     import torch
-    import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
+    # transformers' version from its metadata: this row trains nothing, and importing it costs ~0.7 s
+    env = {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers"), "cuda": torch.version.cuda,
            "flash_attn": "installed" if importlib.util.find_spec("flash_attn") else "not installed (SDPA attention)",
            "vllm": "installed" if importlib.util.find_spec("vllm") else "not installed", "liger": _liger()}
     if torch.cuda.is_available():

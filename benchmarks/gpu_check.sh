@@ -62,8 +62,9 @@ for name in $ONLY; do
   case " $ALL_ROWS " in *" $name "*) ;; *) echo "gpu_check.sh: --rows names an unknown row '$name'; the rows are: $ALL_ROWS" >&2; exit 2 ;; esac
 done
 PY="${PYTHON:-python3}"
-if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
-  echo "gpu_check.sh: $PY cannot import torch and transformers; set PYTHON to an interpreter that can" >&2
+# found, not imported (importing both costs ~3.5 s): the env row imports them and reports a broken install
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('transformers')))" >/dev/null 2>&1; then
+  echo "gpu_check.sh: $PY has no torch or no transformers; set PYTHON to an interpreter that has both" >&2
   exit 2
 fi
 

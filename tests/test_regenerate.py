@@ -268,12 +268,15 @@ def test_engine_failure_mid_run_is_recorded_and_retried(tmp_path, tiny_llama_dir
 def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
     """On CPU the server's environment keeps vLLM's single-process executor (one worker process fewer to start), binds
     the model to our cores, asks for the engine process to be forked, and never overrides a value the user exported; on
-    a GPU it adds none of these."""
+    a GPU it adds none of these. The start method vLLM's CPU platform wrote into this process (an in-process engine ran
+    here first) is not taken for the user's."""
     import torch
 
+    from deepspec.data.engines import vllm_engine
     from deepspec.data.engines.server import VLLMServer
     from deepspec.vllm_plugin import FORK_ENGINE
 
+    monkeypatch.setattr(vllm_engine, "EXPORTED_MP_METHOD", None)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
@@ -282,8 +285,13 @@ def test_vllm_server_on_cpu_runs_the_model_in_the_engine_process(monkeypatch):
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"]
     assert env[FORK_ENGINE] == "1"  # the engine process forked (deepspec/vllm_plugin.py; tests/test_vllm_plugin.py)
     assert FORK_ENGINE not in VLLMServer("m", port=1, env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}).server_env()
+    # the value vLLM's CPU platform writes into this process when an in-process engine ran here first is not the user's
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    assert FORK_ENGINE not in VLLMServer("m", port=1).server_env()
+    env = VLLMServer("m", port=1).server_env()
+    assert env[FORK_ENGINE] == "1" and "VLLM_WORKER_MULTIPROC_METHOD" not in env
+    monkeypatch.setattr(vllm_engine, "EXPORTED_MP_METHOD", "spawn")  # exported before the process started
+    env = VLLMServer("m", port=1).server_env()
+    assert FORK_ENGINE not in env and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
     worker = VLLMServer("m", port=1, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).server_env()
     assert worker["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and FORK_ENGINE not in worker  # a worker would fork from it

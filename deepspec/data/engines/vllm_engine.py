@@ -17,6 +17,11 @@ from deepspec.log import get_logger
 
 log = get_logger(__name__)
 
+# The start method the user exported, read before an in-process engine of ours can run: vLLM's CPU platform writes
+# VLLM_WORKER_MULTIPROC_METHOD=spawn into os.environ when it configures an engine, and a server started later from
+# the same process (the pipeline's eval after its in-process regeneration) must not take vLLM's value for the user's.
+EXPORTED_MP_METHOD = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+
 
 def cpu_thread_binding() -> str:
     """VLLM_CPU_OMP_THREADS_BIND covering every core this process may use, e.g. "0-1".
