@@ -223,58 +223,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_worker(rank: int, port: int, out: str, plain: bool) -> None:
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    """Our FSDP2 policy, then FSDP2's defaults, on the same seeds, in one process group (2 interpreters fewer)."""
     import torch.distributed as dist
-
-    from deepspec.train.parallel import accumulating, fsdp_units, release_gathered, wrap
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        draft = _draft(draft_vocab_size=40, ttt_length=3, num_draft_layers=2)
-        draft.hold_target_in(torch.bfloat16)
-        wrapped = wrap(draft, "fsdp", 2, torch.device("cpu"), torch.bfloat16)
-        opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
-        gathers = []
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # FSDP2's collective
-        real = getattr(dist, name)
-        setattr(dist, name, lambda *a, **kw: gathers.append(a[0].dtype) or real(*a, **kw))
-        seen = {}
-        draft.midlayer.mlp.register_forward_hook(lambda m, i, o: seen.update(mlp_weight=m.up_proj.weight.dtype))
-        before = {n: p.detach().full_tensor().clone() for n, p in wrapped.named_parameters()}
-        losses = []
-        for step in range(2):
-            for m in range(2):  # two micro-batches per step
-                if plain:  # FSDP2's defaults: reshard after every backward
-                    wrapped.set_requires_gradient_sync(m == 1)
-                else:
-                    accumulating(wrapped, last=m == 1)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss, _ = wrapped(_batch(1, 40, seed=10 + 4 * step + 2 * m + rank))
-                loss.backward()
-                losses.append(float(loss.detach()))
-            if not plain:
-                release_gathered(wrapped)
-            grad_dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
-            opt.step()
-            opt.zero_grad()
-        setattr(dist, name, real)
-        after = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
-        torch.save({"losses": losses, "gathers": len(gathers), "gather_dtypes": sorted({str(d) for d in gathers}),
-                    "units": len(fsdp_units(draft)), "moved": sum(int(not torch.equal(before[n], after[n])) for n in before),
-                    "params": len(before), "master": sorted({str(p.dtype) for p in wrapped.parameters()}),
-                    "seen": {k: str(v) for k, v in seen.items()}, "grad_dtypes": grad_dtypes},
-                   os.path.join(out, f"rank{rank}.pt"))
+        for plain in (False, True):
+            torch.save(_fsdp_run(rank, plain), os.path.join(out, f"rank{rank}.{'plain' if plain else 'ours'}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _run_fsdp(out, plain: bool) -> list[dict]:
+def _fsdp_run(rank: int, plain: bool) -> dict:
+    """2 steps x 2 micro-batches of a fresh draft (seeded) under our policy or FSDP2's defaults (`plain`)."""
+    import torch.distributed as dist
+
+    from deepspec.train.parallel import accumulating, fsdp_units, release_gathered, wrap
+
+    draft = _draft(draft_vocab_size=40, ttt_length=3, num_draft_layers=2)
+    draft.hold_target_in(torch.bfloat16)
+    wrapped = wrap(draft, "fsdp", 2, torch.device("cpu"), torch.bfloat16)
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
+    gathers = []
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # FSDP2's collective
+    real = getattr(dist, name)
+    setattr(dist, name, lambda *a, **kw: gathers.append(a[0].dtype) or real(*a, **kw))
+    seen = {}
+    draft.midlayer.mlp.register_forward_hook(lambda m, i, o: seen.update(mlp_weight=m.up_proj.weight.dtype))
+    before = {n: p.detach().full_tensor().clone() for n, p in wrapped.named_parameters()}
+    losses = []
+    for step in range(2):
+        for m in range(2):  # two micro-batches per step
+            if plain:  # FSDP2's defaults: reshard after every backward
+                wrapped.set_requires_gradient_sync(m == 1)
+            else:
+                accumulating(wrapped, last=m == 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = wrapped(_batch(1, 40, seed=10 + 4 * step + 2 * m + rank))
+            loss.backward()
+            losses.append(float(loss.detach()))
+        if not plain:
+            release_gathered(wrapped)
+        grad_dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    setattr(dist, name, real)
+    after = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
+    return {"losses": losses, "gathers": len(gathers), "gather_dtypes": sorted({str(d) for d in gathers}),
+            "units": len(fsdp_units(draft)), "moved": sum(int(not torch.equal(before[n], after[n])) for n in before),
+            "params": len(before), "master": sorted({str(p.dtype) for p in wrapped.parameters()}),
+            "seen": {k: str(v) for k, v in seen.items()}, "grad_dtypes": grad_dtypes}
+
+
+def _run_fsdp(out) -> tuple[list[dict], list[dict]]:
+    """(ours, plain): each rank's figures under our policy and under FSDP2's defaults."""
     import torch.multiprocessing as mp
 
     out.mkdir()
-    mp.spawn(_fsdp_worker, args=(_free_port(), str(out), plain), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return tuple([torch.load(out / f"rank{r}.{mode}.pt") for r in range(2)] for mode in ("ours", "plain"))
 
 
 @pytest.mark.slow
@@ -283,7 +292,7 @@ def test_fsdp2_bf16_policy_trains_with_one_gather_per_unit_and_step(tmp_path):
     MLP a unit of its own. `accumulating` + `release_gathered` gather every unit once per step (the units serve 3 TTT
     steps x 2 micro-batches and their backwards) and train exactly as FSDP2's defaults, which gather the
     multi-use EAGLE-3 blocks again in the backward."""
-    rows = _run_fsdp(tmp_path / "ours", plain=False)
+    rows, plain = _run_fsdp(tmp_path / "fsdp")
     for r in rows:
         assert all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["moved"] == r["params"]  # every trainable tensor took the steps
@@ -292,7 +301,6 @@ def test_fsdp2_bf16_policy_trains_with_one_gather_per_unit_and_step(tmp_path):
         assert r["gather_dtypes"] == ["torch.bfloat16"]  # gloo gathers bf16; gradients reduce in fp32
     units = rows[0]["units"] + 1  # + the root unit
     assert rows[0]["gathers"] == 2 * units, rows[0]
-    plain = _run_fsdp(tmp_path / "plain", plain=True)
     assert plain[0]["gathers"] > 2 * units, plain[0]
     for r, p in zip(rows, plain):  # the same training: no stale gathered weights after an optimizer step
         assert r["losses"] == pytest.approx(p["losses"], abs=1e-4)
