@@ -5,15 +5,11 @@ changed data file or rendering setting is a new plan, never a stale one."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _config(tmp_path: Path, target: Path, *opts: str):
@@ -58,27 +54,43 @@ def test_a_plan_is_tokenized_once_and_loaded_as_made(tmp_path, tiny_llama_dir, l
     assert len(list((cfg.data_dir / ".plans").glob("train-*.npz"))) == 3
 
 
-CHILD = """
-import sys
-from deepspec.config import load_config
-from deepspec.data.cache.plan import plan_split
-from deepspec.log import setup_logging
-setup_logging()
-cfg = load_config(None, [f"target.name={sys.argv[1]}", f"data.dir={sys.argv[2]}", "cache.max_length=96"])
-print("SAMPLES", len(plan_split(cfg, "train").samples), flush=True)
-"""
+def _child(target: str, data_dir: str, queue) -> None:
+    """One process's plan of the train split: (its sample count, the plan messages it logged)."""
+    import logging
+
+    from deepspec.config import load_config
+    from deepspec.data.cache.plan import plan_split
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("deepspec")
+    logger.addHandler(handler)
+    logger.setLevel("INFO")
+    cfg = load_config(None, [f"target.name={target}", f"data.dir={data_dir}", "cache.max_length=96"])
+    queue.put((len(plan_split(cfg, "train").samples), messages))
 
 
 @pytest.mark.slow
 def test_processes_started_together_tokenize_once(tmp_path, tiny_llama_dir):
-    cfg = _config(tmp_path, tiny_llama_dir)
-    env = dict(os.environ, PYTHONPATH=str(REPO), DEEPSPEC_NO_PROGRESS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama_dir), str(cfg.data_dir)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
-    from deepspec.data.cache.plan import plan_split
+    """Three processes (forked from this one, which has imported what they need: new interpreters spent ~4 s each
+    importing it) make the train split's plan at once: one tokenizes, the two others wait for it and load it."""
+    import multiprocessing
 
-    assert {o for o, _ in outs} == {f"SAMPLES {len(plan_split(cfg, 'train').samples)}\n"}
-    loaded = [e for _, e in outs if "loaded from" in e]
+    from deepspec.data.cache.plan import load_plan_inputs, plan_split
+
+    cfg = _config(tmp_path, tiny_llama_dir)
+    load_plan_inputs(cfg)  # the tokenizer's imports made here once, before the fork (no plan is made)
+    assert not (cfg.data_dir / ".plans").exists()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(str(tiny_llama_dir), str(cfg.data_dir), queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    outs = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert {n for n, _ in outs} == {len(plan_split(cfg, "train").samples)}
+    loaded = [m for _, m in outs if any("loaded from" in x for x in m)]
     assert len(loaded) == 2  # one process tokenized, the two others loaded its plan
