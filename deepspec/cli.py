@@ -72,5 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `deepspec` command: main(), then the process exits without the interpreter's final collection."""
+    from deepspec.exiting import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

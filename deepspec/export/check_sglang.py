@@ -253,4 +253,7 @@ def main(side: str, jobs: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from deepspec.exiting import exit_process
+
     main(sys.argv[1], sys.argv[2:])
+    exit_process(0)

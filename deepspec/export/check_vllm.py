@@ -335,5 +335,8 @@ def run_job(path: str) -> None:
 
 
 if __name__ == "__main__":
+    from deepspec.exiting import exit_process
+
     for job_path in sys.argv[1:]:
         run_job(job_path)
+    exit_process(0)

@@ -129,4 +129,6 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_torchrun(sys.argv[1:]))
+    from deepspec.exiting import exit_process
+
+    exit_process(run_torchrun(sys.argv[1:]))

@@ -1,0 +1,26 @@
+"""Leaving a process whose work is done without the interpreter's last garbage collection.
+
+Why: as it exits, CPython runs a full collection over every object still alive. In a process that imported torch,
+transformers or vLLM and ran a model, that walk costs 0.4-0.7 s of one core and frees nothing anyone will use (a
+tiny `deepspec train`: 3.0 -> 2.4 s to the shell prompt). `gc.freeze()` moves those objects out of the collector's
+reach first. Everything else about exiting is unchanged: atexit handlers run (logging, wandb, tensorboard, temporary
+folders), objects are released by reference counting as before, and non-daemon threads are waited for; only an object
+kept alive by a reference cycle is not finalised (deepspec closes what it writes explicitly).
+
+Only for entry points (`python -m deepspec...`, the `deepspec` command): a process that goes on (a test, a notebook
+calling `deepspec.cli.main`) must not freeze its heap.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import NoReturn
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """sys.exit(code), the interpreter's final collection skipped."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
+    sys.exit(code)
