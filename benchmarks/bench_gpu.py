@@ -419,4 +419,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deepspec.exiting import exit_process  # no final collection of the heap a measurement left
+
+    exit_process(main())

@@ -990,4 +990,6 @@ def train_child(recipe: str, opts: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deepspec.exiting import exit_process  # no final collection of the heap a measurement left
+
+    exit_process(main())
