@@ -43,6 +43,14 @@ def pytest_configure(config):
     pin_worker_cores()
 
 
+def pytest_unconfigure(config):
+    """The suite's processes (the main one and each worker) end here: freeze the heap they built (torch, transformers,
+    vLLM, models) so the interpreter's final collection does not walk it (~1 s each; deepspec/exiting.py)."""
+    import gc
+
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded target as an HF folder (converted once per machine)."""
