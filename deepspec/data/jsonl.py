@@ -149,12 +149,3 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[Any]) -> int:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return n
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """A small JSON document (summaries, provenance) written all-or-nothing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)

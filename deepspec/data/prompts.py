@@ -14,7 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from deepspec.data.jsonl import write_json_atomic, write_jsonl_atomic
+from deepspec.atomic import write_json_atomic
+from deepspec.data.jsonl import write_jsonl_atomic
 from deepspec.data.sources import InvalidRecord, iter_source, normalize, source_provenance
 from deepspec.errors import ConfigError, DataError
 from deepspec.log import get_logger

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.data.engines import Engine, Job, JobResult, create_engine, resolve_engine_name
-from deepspec.data.jsonl import JsonlAppender, iter_lines, parse_line, read_jsonl, repair_tail, write_json_atomic, write_jsonl_atomic
+from deepspec.atomic import write_json_atomic
+from deepspec.data.jsonl import JsonlAppender, iter_lines, parse_line, read_jsonl, repair_tail, write_jsonl_atomic
 from deepspec.errors import DataError
 from deepspec.hashing import file_sha256
 from deepspec.log import get_logger, progress

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from deepspec.atomic import write_json_atomic
 from deepspec.log import get_logger
 
 log = get_logger(__name__)
@@ -94,9 +94,6 @@ def _record_path(folder: Path) -> Path | None:
 def _write(path: Path, values: dict[str, Any]) -> None:
     """Write the record whole or not at all (concurrent writers write the same bytes); a read-only cache is no error."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(values))
-        os.replace(tmp, path)
+        write_json_atomic(path, values)
     except (OSError, TypeError, ValueError) as e:
         log.debug("could not record the target config numbers in %s (%s)", path, e)
