@@ -20,7 +20,10 @@ from typing import NoReturn
 
 def exit_process(code: int | None) -> NoReturn:
     """sys.exit(code), the interpreter's final collection skipped."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`deepspec ... | head`), a closed stream
+            pass
     gc.freeze()
     sys.exit(code)
