@@ -7,6 +7,10 @@ reach first. Everything else about exiting is unchanged: atexit handlers run (lo
 folders), objects are released by reference counting as before, and non-daemon threads are waited for; only an object
 kept alive by a reference cycle is not finalised (deepspec closes what it writes explicitly).
 
+Not where a nanobind extension is loaded (Triton's, which torch's compiler stack and vLLM import): nanobind counts
+its objects still alive when the interpreter ends and prints each one frozen here as a "leak", dozens of lines a
+user would take for a fault. Such a process exits as usual.
+
 Only for entry points (`python -m deepspec...`, the `deepspec` command): a process that goes on (a test, a notebook
 calling `deepspec.cli.main`) must not freeze its heap.
 """
@@ -18,12 +22,17 @@ import sys
 from typing import NoReturn
 
 
+# extensions built with nanobind that report frozen objects as leaks at the interpreter's end
+NANOBIND_MODULES = ("triton",)
+
+
 def exit_process(code: int | None) -> NoReturn:
-    """sys.exit(code), the interpreter's final collection skipped."""
+    """sys.exit(code), the interpreter's final collection skipped where no nanobind extension is loaded."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`deepspec ... | head`), a closed stream
             pass
-    gc.freeze()
+    if not any(name in sys.modules for name in NANOBIND_MODULES):
+        gc.freeze()
     sys.exit(code)

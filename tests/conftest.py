@@ -47,8 +47,12 @@ def pytest_unconfigure(config):
     """The suite's processes (the main one and each worker) end here: freeze the heap they built (torch, transformers,
     vLLM, models) so the interpreter's final collection does not walk it (~1 s each; deepspec/exiting.py)."""
     import gc
+    import sys
 
-    gc.freeze()
+    from deepspec.exiting import NANOBIND_MODULES
+
+    if not any(name in sys.modules for name in NANOBIND_MODULES):  # a worker that imported vLLM or Inductor has Triton
+        gc.freeze()
 
 
 @pytest.fixture(scope="session")

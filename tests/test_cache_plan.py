@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 
-
 def _config(tmp_path: Path, target: Path, *opts: str):
     from deepspec.config import load_config
     from deepspec.data.jsonl import write_jsonl_atomic
@@ -87,7 +86,7 @@ def test_processes_started_together_tokenize_once(tmp_path, tiny_llama_dir):
     procs = [ctx.Process(target=_child, args=(str(tiny_llama_dir), str(cfg.data_dir), queue)) for _ in range(3)]
     for p in procs:
         p.start()
-    outs = [queue.get(timeout=300) for _ in procs]
+    outs = [queue.get(timeout=120) for _ in procs]  # a child that failed puts nothing: this times out
     for p in procs:
         p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
