@@ -46,13 +46,9 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     """The suite's processes (the main one and each worker) end here: freeze the heap they built (torch, transformers,
     vLLM, models) so the interpreter's final collection does not walk it (~1 s each; deepspec/exiting.py)."""
-    import gc
-    import sys
+    from deepspec.exiting import freeze_heap_for_exit
 
-    from deepspec.exiting import NANOBIND_MODULES
-
-    if not any(name in sys.modules for name in NANOBIND_MODULES):  # a worker that imported vLLM or Inductor has Triton
-        gc.freeze()
+    freeze_heap_for_exit()  # not in a worker that loaded Triton (vLLM, transformers' models): nanobind would report leaks
 
 
 @pytest.fixture(scope="session")

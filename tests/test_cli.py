@@ -53,33 +53,31 @@ def test_repeated_opts_add_up_and_later_values_win():
     assert (cfg.train.lr, cfg.train.epochs) == (5e-4, 2)
 
 
-def test_an_entry_point_exits_with_its_code_its_output_and_atexit_handlers_but_no_final_collection(tmp_path):
-    """deepspec/exiting.py: the exit code and buffered output survive, atexit handlers run (wandb, tensorboard and
-    logging close there), and the heap is frozen first, so the interpreter's last collection has nothing to walk."""
+def _exit_in_child(tmp_path, body: str) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `body` (which ends in exit_process) in a new interpreter whose atexit handler records how many objects were
+    frozen when it ran: (the process, that count)."""
     code = (
         "import atexit, gc, sys\n"
         "from deepspec.exiting import exit_process\n"
         "atexit.register(lambda: open(sys.argv[1], 'w').write(str(gc.get_freeze_count())))\n"
-        "sys.stdout.write('unflushed line')\n"
-        "exit_process(3)\n"
+        + body
     )
     marker = tmp_path / "atexit.txt"
     out = subprocess.run([sys.executable, "-c", code, str(marker)], capture_output=True, text=True)
+    return out, int(marker.read_text())
+
+
+def test_an_entry_point_exits_with_its_code_its_output_and_atexit_handlers_but_no_final_collection(tmp_path):
+    """deepspec/exiting.py: the exit code and buffered output survive, atexit handlers run (wandb, tensorboard and
+    logging close there), and the heap is frozen first, so the interpreter's last collection has nothing to walk."""
+    out, frozen = _exit_in_child(tmp_path, "sys.stdout.write('unflushed line')\nexit_process(3)\n")
     assert out.returncode == 3 and out.stdout == "unflushed line", (out.returncode, out.stdout, out.stderr)
-    assert int(marker.read_text()) > 1_000  # the atexit handler ran, after the freeze (0 objects frozen without it)
+    assert frozen > 1_000  # the atexit handler ran, after the freeze (0 objects frozen without it)
 
 
 def test_an_entry_point_with_triton_loaded_exits_as_usual_without_leak_reports(tmp_path):
     """Triton's nanobind extension counts the objects alive at the interpreter's end: a frozen heap would print dozens of
     "nanobind: leaked ..." lines after every training run. With it loaded, the heap is not frozen and nothing is printed."""
-    code = (
-        "import atexit, gc, sys\n"
-        "import triton\n"
-        "from deepspec.exiting import exit_process\n"
-        "atexit.register(lambda: open(sys.argv[1], 'w').write(str(gc.get_freeze_count())))\n"
-        "exit_process(0)\n"
-    )
-    marker = tmp_path / "atexit.txt"
-    out = subprocess.run([sys.executable, "-c", code, str(marker)], capture_output=True, text=True)
+    out, frozen = _exit_in_child(tmp_path, "import triton\nexit_process(0)\n")
     assert out.returncode == 0 and "nanobind" not in out.stderr, out.stderr[-2000:]
-    assert int(marker.read_text()) == 0
+    assert frozen == 0
