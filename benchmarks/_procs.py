@@ -154,7 +154,10 @@ def run_row(name: str, cmd: list[str], limit: float, jsonl: Path, log: Path, min
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         t0 = time.perf_counter()
         try:
-            done = run_group(cmd, limit, stdout_path=out, stderr_path=err, grace_s=grace_s)
+            # the row's own limit, for a command that splits it among children (bench_train.py: each row's child
+            # is killed in time for the command to write that row's error, where it got to, before this kills it)
+            env = dict(os.environ, BENCH_TIME_LIMIT_S=f"{max(0.0, limit - grace_s):.0f}")
+            done = run_group(cmd, limit, env=env, stdout_path=out, stderr_path=err, grace_s=grace_s)
             rc, stdout, stderr = done.returncode, done.stdout, done.stderr
             status.update(status="ok" if rc == 0 else "error", rc=rc)
             if rc != 0:

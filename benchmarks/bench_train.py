@@ -62,6 +62,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _procs import GroupTimeout, last_error, run_group  # noqa: E402
+PROGRESS = "[bench_train row]"
 PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
 PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
 
@@ -286,7 +288,8 @@ def _our_row(spec: dict) -> dict:
     steps = cfg.train.max_steps
     profiled = steps - 2 if steps >= 3 and spec.get("profile", True) else None
     info = init_distributed()
-    clock = StepClock(loop, profiled, info.device)
+    clock = StepClock(loop, profiled, info.device, steps)
+    progress(f"{cfg.model.algorithm}: process started, {steps} steps to train", clock.started)
     restore_save = _skip_checkpoints(loop)
     try:
         torch.manual_seed(cfg.train.seed)
@@ -305,15 +308,19 @@ def _our_row(spec: dict) -> dict:
             parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
                                write_draft=lambda d, w: None)
             first = samples[0]
+        progress(f"draft built, {len(data)} samples in memory or cache", clock.started)
         out: dict = {}
         if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
             try:
                 out.update(flops_per_token(draft, cfg, first, info.device))
             except Exception as e:  # the row's other figures still count
                 out["flops_error"] = f"{type(e).__name__}: {e}"[-500:]
+            progress("FLOPs counted (one forward + backward of one sample)", clock.started)
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(info.device)
+        clock.stamps[0] = time.perf_counter()  # plan step 0 (start-up, compilation) starts here
+        progress("training", clock.started)
         loop._train(cfg, info, parts)
         if clock.completed != steps:
             raise RuntimeError(f"the step clock saw {clock.completed} of {steps} optimizer steps: the trainer loop no longer "
@@ -413,10 +420,12 @@ class StepClock:
     returns, whose step() the loop calls once per optimizer step (after the optimizer's own step), and stamps the
     step's end after a device sync. `stamps[n]` = the end of the n-th step (plan step n - 1). Plan step `profiled`
     runs under torch.profiler (CPU + CUDA activities on a GPU); the profiler's start and stop (and the reading of its
-    events) fall outside every step's time."""
+    events) fall outside every step's time. Each finished step prints a progress line on stderr (`progress`): a row
+    killed at its time limit still says how far it got and how long each step took."""
 
-    def __init__(self, loop, profiled: int | None, device):
-        self.loop, self.profiled, self.device = loop, profiled, device
+    def __init__(self, loop, profiled: int | None, device, steps: int | None = None):
+        self.loop, self.profiled, self.device, self.steps = loop, profiled, device, steps
+        self.started = time.perf_counter()
         self.stamps: dict[int, float] = {}
         self.completed = 0
         self.summary: dict | None = None
@@ -458,6 +467,8 @@ class StepClock:
                 self._start_profile()
                 now = time.perf_counter()
             self.stamps[n] = now
+            took = now - self.stamps.get(n - 1, self.started)
+            progress(f"optimizer step {n}/{self.steps or '?'} done in {took:.2f} s{_peak_memory(self.device)}", self.started)
             return r
 
         sched.step = stepped
@@ -485,6 +496,41 @@ class StepClock:
             self.table = profile_table(prof, self.device.type == "cuda")
         except Exception as e:
             self.profile_error = f"{type(e).__name__}: {e}"[-500:]
+
+
+def progress(message: str, since: float) -> None:
+    """A progress line on stderr (flushed): a row's parent keeps the last ones when it has to kill the row."""
+    print(f"{PROGRESS} {time.perf_counter() - since:7.1f} s: {message}", file=sys.stderr, flush=True)
+
+
+def _peak_memory(device) -> str:
+    import torch
+
+    if device.type != "cuda":
+        return ""
+    return f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+
+
+def time_left(started: float, limit: float, margin_s: float = 15.0) -> float:
+    """`limit` seconds, or fewer when the caller kills this process earlier (BENCH_TIME_LIMIT_S, which a check's row
+    runner sets: benchmarks/_procs.py): a child stopped `margin_s` before that leaves time to write its row."""
+    caller = os.environ.get("BENCH_TIME_LIMIT_S")
+    if not caller:
+        return limit
+    return max(1.0, min(limit, float(caller) - (time.perf_counter() - started) - margin_s))
+
+
+def progress_tail(stderr: str, last_steps: int = 2) -> str:
+    """Where a row that ran out of time got to, from its stderr: every phase it finished, its first optimizer step
+    (start-up and compilation) and its last ones."""
+    # a progress bar's carriage returns can share a line with ours
+    lines = [ln.split(PROGRESS, 1)[1].strip() for ln in re.split(r"[\r\n]", stderr) if PROGRESS in ln]
+    if not lines:
+        return "none: killed before the process had started training"
+    step = re.compile(r"optimizer step \d+/")
+    steps = [ln for ln in lines if step.search(ln)]
+    keep = [ln for ln in lines if not step.search(ln)] + steps[:1] + steps[1:][-last_steps:]
+    return " | ".join(sorted(set(keep), key=lines.index))
 
 
 def profile_events(prof) -> list[tuple[str, bool, float, float, str | None]]:
@@ -617,9 +663,23 @@ def _clock_logged_steps(loop) -> tuple[dict[int, float], Callable[[], None]]:
 # ----------------------------------------------------------------------------- the peer's row (its own venv)
 
 
-def peer_available(python: Path, pythonpath: str | None = None) -> str | None:
+def peer_interpreter(peer_python: str | None, peer_venv: Path) -> Path:
+    """The peer's interpreter: --peer-python as given (a bare name such as `python3` found on PATH, as gpu_check.sh
+    passes the machine's own), else the venv's python."""
+    if not peer_python:
+        return peer_venv / "bin" / "python"
+    if os.sep not in peer_python:
+        found = shutil.which(peer_python)
+        if found:
+            return Path(found)
+    return Path(peer_python)
+
+
+def peer_available(python: Path, pythonpath: str | None = None, explicit: bool = False) -> str | None:
     """None when the peer can run with this interpreter, else why not."""
     if not python.is_file():
+        if explicit:
+            return f"--peer-python {python} is not an interpreter on this machine (give a path, or a name on PATH)"
         return f"no peer venv at {python.parent.parent} (create it with: bash benchmarks/peer_setup.sh)"
     env = _peer_env(pythonpath)
     probe = subprocess.run([str(python), "-c", "import speculators.train.trainer"], capture_output=True, text=True, env=env)
@@ -715,6 +775,8 @@ def main() -> int:
     p.add_argument("--peer-venv", default=str(PEER_VENV))
     p.add_argument("--peer-python", default=None, help="the peer's interpreter (default: the venv's python)")
     p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH for the peer (wheels installed with pip --target)")
+    p.add_argument("--require-peer", action="store_true", help="exit 1 when the peer did not run beside an EAGLE-3 row "
+                   "(its row's peer_note says why): for a check whose point is the side-by-side figure")
     p.add_argument("--peer-timeout", type=int, default=1200)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -773,8 +835,8 @@ def main() -> int:
     t0 = time.perf_counter()
     target = write_verifier_stub(work / f"target-{args.shape}", args.shape)
     peer_venv = Path(args.peer_venv)
-    peer_python = Path(args.peer_python) if args.peer_python else peer_venv / "bin" / "python"
-    peer_why = "--no-peer" if args.no_peer else peer_available(peer_python, args.peer_pythonpath)
+    peer_python = peer_interpreter(args.peer_python, peer_venv)
+    peer_why = "--no-peer" if args.no_peer else peer_available(peer_python, args.peer_pythonpath, bool(args.peer_python))
     result = {
         "benchmark": "train", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "device": _device_name(),
         "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32", "steps_per_row": args.steps,
@@ -803,6 +865,7 @@ def main() -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
+    peer_missing: list[str] = []  # why the peer did not run, per EAGLE-3 row that should have had it
     for seq_len in args.seq_len:
         for algorithm in args.algorithms:
             taps = taps_for(algorithm, tconf.num_hidden_layers)
@@ -855,8 +918,11 @@ def main() -> int:
                     row.update(json.loads(json.dumps(_our_row(spec))))
                     row["row_process"] = "shared (--smoke)"
                 else:
-                    proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], args.row_timeout,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+                    try:
+                        proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], time_left(t0, args.row_timeout),
+                                         env=dict(os.environ, PYTHONPATH=str(REPO)), grace_s=5.0)
+                    except GroupTimeout as e:  # where it got to: the row's last progress lines
+                        raise GroupTimeout(f"{e}; its last progress: {progress_tail(e.stderr)}", e.stdout, e.stderr) from None
                     if proc.returncode != 0:
                         raise RuntimeError(last_error(proc.stderr) or f"exit {proc.returncode}")
                     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -866,6 +932,7 @@ def main() -> int:
                 row["peer_note"] = "the peer is run for EAGLE-3 only"
             elif peer_why:
                 row["peer_note"] = peer_why
+                peer_missing.append(peer_why)
             elif global_batch != 1:
                 row["peer_note"] = ("the peer trains one packed sequence per optimizer step (speculators has no gradient "
                                     "accumulation): it runs beside ours with --accum 1 --micro-batch 1")
@@ -875,24 +942,28 @@ def main() -> int:
                     peer_samples = work / f"peer-samples-{algorithm}-{seq_len}.pt"
                     # one sample per step, and one more for its validation split
                     torch.save([samples[i % len(samples)] for i in range(args.steps + 1)], peer_samples)
-                    made = run_group([str(peer_python), __file__, "--_peer_data", str(peer_samples), str(data)], 1800,
+                    made = run_group([str(peer_python), __file__, "--_peer_data", str(peer_samples), str(data)], time_left(t0, 1800),
                                      env=_peer_env(args.peer_pythonpath))
                     if made.returncode != 0:
                         raise RuntimeError("writing the peer's data: " + (made.stderr.strip().splitlines() or ["?"])[-1])
                     peer_spec = {"taps": taps, "draft_vocab": draft_vocab, "ttt": 7, "decay": 0.8, "seq_len": seq_len,
                                  "steps": args.steps, "bf16": bf16, "loss": args.peer_loss}
                     row.update(_peer_row(peer_python, args.peer_pythonpath, target, data, work / f"peer-out-{algorithm}-{seq_len}", peer_spec, device,
-                                         args.peer_timeout))
+                                         time_left(t0, args.peer_timeout)))
                     if row.get("tokens_per_s") and row.get("peer_tokens_per_s"):
                         row["ours_over_peer"] = round(row["tokens_per_s"] / row["peer_tokens_per_s"], 3)
                 except Exception as e:
                     row["peer_note"] = f"peer run failed: {type(e).__name__}: {e}"[-2000:]
+                    peer_missing.append(row["peer_note"])
             del samples
             result["rows"].append(row)
             emit(row)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     emit()
     print(json.dumps(result))
+    if args.require_peer and peer_missing:
+        print(f"bench_train.py: --require-peer: the peer did not run: {peer_missing[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

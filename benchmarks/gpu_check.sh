@@ -163,7 +163,7 @@ elif [ -x "$ROOT/.peer-venv/bin/python" ]; then
 fi
 if [ ${#PEER[@]} -gt 0 ]; then
   row peer "$L_PEER" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --accum 1 --algorithms eagle3 "${PEER[@]}" \
-    --peer-timeout $(( L_PEER * 2 / 3 )) --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+    --require-peer --peer-timeout $(( L_PEER * 2 / 3 )) --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 else
   skip peer "no peer: pass --peer-wheels DIR (bash benchmarks/peer_setup.sh --gpu-wheels) or create .peer-venv (bash benchmarks/peer_setup.sh)"
 fi

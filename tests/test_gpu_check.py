@@ -329,30 +329,72 @@ def _wheel(folder: Path, dist: str, module: str, version: str) -> Path:
 
 
 def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path):
-    """`--rows env`: the env row runs, every other row writes a "not selected" line in the usual order (so a rerun of
-    the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs. With
+    """`--rows env,peer`: those rows run, every other row writes a "not selected" line in the usual order (so a rerun
+    of the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs. With
     --peer-wheels, Liger-Kernel's wheel from the folder is installed for our rows (the env row sees it; on a CPU the
-    loss does not use it) and kept out of the peer's."""
+    loss does not use it) and kept out of the peer's; a peer that does not run fails its row (its point is the
+    side-by-side figure) with the reason, instead of passing with our figure alone."""
     out, wheels = tmp_path / "out", tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "liger-kernel", "liger_kernel", "0.0.1")
+    _wheel(wheels, "speculators", "speculators", "0.0.1")  # no speculators.train: the peer cannot train
     env = dict(os.environ, PYTHON=sys.executable, DEEPSPEC_NO_PROGRESS="1")
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
-    proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env", "--peer-wheels", str(wheels)],
+    proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env,peer", "--peer-wheels", str(wheels)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    # no peer wheel in the folder (Liger's is ours): the peer row says so, nothing is installed for it
-    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer", "v4-memory", "long", "flex", "eager",
-                            "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
-    peer_venv = (ROOT / ".peer-venv" / "bin" / "python").exists()  # benchmarks/peer_setup.sh's, if this checkout has one
-    assert ("not selected" if peer_venv else "no peer") in status["peer"]["why"], status["peer"]
-    assert status["env"]["status"] == "ok"
+    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer-install", "peer", "v4-memory", "long",
+                            "flex", "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
+    assert status["env"]["status"] == "ok" and status["peer-install"]["status"] == "ok"
     assert rows[0]["row"] == "env" and rows[0]["liger"] == "0.0.1 (not used by EAGLE-3's loss)", rows[0]
+    install = next(ln for ln in (out / "log.txt").read_text().splitlines() if ln.startswith("===== peer-install"))
+    assert "speculators-0.0.1" in install and "liger_kernel" not in install, install
+    peer = status["peer"]
+    assert peer["status"] == "error" and "--require-peer" in peer["error"] and "speculators.train" in peer["error"], peer
+    ours = next(r for r in rows if r.get("benchmark") == "train" and r.get("algorithm") == "eagle3")
+    assert ours["tokens_per_s"] > 0 and "speculators.train" in ours["peer_note"], ours
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
-    assert not any(r.get("benchmark") == "train" for r in rows)
     bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "--smoke", "--rows", "env,ourz"], capture_output=True,
                          text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "unknown row 'ourz'" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_the_peer_interpreter_may_be_a_name_on_path(monkeypatch, tmp_path):
+    """gpu_check.sh passes the machine's interpreter by name (`python3`): bench_train finds it on PATH (an H200 run
+    reported "no peer venv at ." for it and ran without the peer); a name that is nowhere says so."""
+    bench = _bench("bench_train")
+    exe = Path(sys.executable)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    found = bench.peer_interpreter(exe.name, tmp_path / "venv")
+    assert found.is_absolute() and found.is_file() and found.parent == exe.parent, found
+    assert bench.peer_interpreter(None, tmp_path / "venv") == tmp_path / "venv" / "bin" / "python"
+    assert bench.peer_interpreter(str(exe), tmp_path) == exe
+    why = bench.peer_available(Path("no-such-python-3.99"), explicit=True)
+    assert "--peer-python no-such-python-3.99 is not an interpreter" in why, why
+    assert "no peer venv" in bench.peer_available(tmp_path / "venv" / "bin" / "python")
+
+
+def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
+    """A check's row runner tells bench_train when it will be killed (BENCH_TIME_LIMIT_S, benchmarks/_procs.py): its
+    row's process stops in time for bench_train to write the row, whose error names the phases and the optimizer
+    steps it finished (two H200 rows ran out of time with no line at all)."""
+    import re
+    import time
+
+    env = dict(os.environ, BENCH_TIME_LIMIT_S="27", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--shape", "tiny", "--seq-len", "64",
+                           "--accum", "1", "--steps", "100000", "--algorithms", "dflash", "--no-peer", "--no-profile",
+                           "--workdir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.splitlines()[0])
+    err = row["error"]
+    assert row["tokens_per_s"] is None and err.startswith("GroupTimeout") and wall < 27, (wall, err)
+    assert "process started" in err and "draft built" in err and "training" in err, err
+    first = re.search(r"optimizer step 1/100000 done in ([0-9.]+) s", err)
+    last = re.findall(r"optimizer step (\d+)/100000", err)
+    assert first and len(last) >= 2 and int(last[-1]) > 2, err
