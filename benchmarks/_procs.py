@@ -42,6 +42,14 @@ class GroupTimeout(RuntimeError):
         self.stdout, self.stderr = stdout, stderr
 
 
+def pythonpath_with(first: Path | str) -> str:
+    """PYTHONPATH for a child that must import `first`'s deepspec, keeping what this process's PYTHONPATH adds after
+    it: gpu_check.sh puts Liger-Kernel's wheel there for our rows (replacing PYTHONPATH lost it: an H200 run's
+    EAGLE-3 rows trained with the eager loss although Liger was installed)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(x for x in [str(first), rest] if x)
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...), from /proc (Linux)."""
     children: dict[int, list[int]] = {}

@@ -67,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _procs import GroupTimeout, last_error, run_group  # noqa: E402  (a process group per measurement)
+from _procs import GroupTimeout, last_error, pythonpath_with, run_group  # noqa: E402  (a process group per measurement)
 from bench_train import _conversations, _opts  # noqa: E402  (shared synthetic data and trainer overrides)
 
 # name -> (family, config overrides of deepspec.targets.tiny.tiny_config, recipe target, extra recipe overrides)
@@ -119,7 +119,7 @@ def _train_run(recipe: str, opts: list[str], timeout: float, log: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(REPO / "benchmarks" / "bench_train.py"), "--_child", recipe, json.dumps(opts)]
     out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
-    proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout_path=out_path, stderr_path=err_path)
+    proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=pythonpath_with(REPO)), stdout_path=out_path, stderr_path=err_path)
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: " + last_error(proc.stderr))  # the worker's own exception
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -155,7 +155,7 @@ def _bench_train(argv: list[str], timeout: float, jsonl: Path | None, log: Path)
     if jsonl is not None:
         cmd += ["--jsonl", str(jsonl)]
     try:
-        proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout_path=log.with_suffix(".out"),
+        proc = run_group(cmd, timeout, env=dict(os.environ, PYTHONPATH=pythonpath_with(REPO)), stdout_path=log.with_suffix(".out"),
                          stderr_path=log.with_suffix(".err"))
     except GroupTimeout as e:
         return {"error": f"{e} (finished rows are above; log: {log.with_suffix('.err')})"}

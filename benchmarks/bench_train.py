@@ -76,7 +76,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _procs import GroupTimeout, last_error, run_group  # noqa: E402
+from _procs import GroupTimeout, last_error, pythonpath_with, run_group  # noqa: E402
 PROGRESS = "[bench_train row]"
 PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
 PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
@@ -308,8 +308,8 @@ def _our_row(spec: dict) -> dict:
             parts = TrainParts(model=draft, train_data=data, provenance={"target": "random " + spec["shape"]},
                                write_draft=lambda d, w: None)
             first = samples[0]
-        progress(f"draft built, {len(data)} samples in memory or cache", clock.started)
-        out: dict = {}
+        out: dict = {"liger_kernel": _liger_state(cfg, info.device)}
+        progress(f"draft built, {len(data)} samples in memory or cache; Liger-Kernel {out['liger_kernel']}", clock.started)
         if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
             try:
                 out.update(flops_per_token(draft, cfg, first, info.device))
@@ -496,6 +496,21 @@ class StepClock:
             self.table = profile_table(prof, self.device.type == "cuda")
         except Exception as e:
             self.profile_error = f"{type(e).__name__}: {e}"[-500:]
+
+
+def _liger_state(cfg, device) -> str:
+    """Whether this row's EAGLE-3 loss runs Liger-Kernel's fused kernel (deepspec/drafts/liger.py), as the row
+    records it: a row that should have used it and did not is visible in its own line."""
+    import torch
+
+    from deepspec.drafts import liger
+
+    if liger.fused_linear_kl is None:
+        return "not importable"
+    if cfg.model.algorithm != "eagle3":
+        return "importable (EAGLE-3's loss only)"
+    used = liger.available(torch.empty(0, device=device))
+    return "used by the loss" if used else "importable, not used (CPU, or DEEPSPEC_LIGER=0)"
 
 
 def progress(message: str, since: float) -> None:
@@ -920,7 +935,7 @@ def main() -> int:
                 else:
                     try:
                         proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], time_left(t0, args.row_timeout),
-                                         env=dict(os.environ, PYTHONPATH=str(REPO)), grace_s=5.0)
+                                         env=dict(os.environ, PYTHONPATH=pythonpath_with(REPO)), grace_s=5.0)
                     except GroupTimeout as e:  # where it got to: the row's last progress lines
                         raise GroupTimeout(f"{e}; its last progress: {progress_tail(e.stderr)}", e.stdout, e.stderr) from None
                     if proc.returncode != 0:

@@ -380,11 +380,18 @@ def test_the_peer_interpreter_may_be_a_name_on_path(monkeypatch, tmp_path):
 def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     """A check's row runner tells bench_train when it will be killed (BENCH_TIME_LIMIT_S, benchmarks/_procs.py): its
     row's process stops in time for bench_train to write the row, whose error names the phases and the optimizer
-    steps it finished (two H200 rows ran out of time with no line at all)."""
+    steps it finished (two H200 rows ran out of time with no line at all). The row's process keeps the caller's
+    PYTHONPATH after the repository (an H200 run's EAGLE-3 rows lost the Liger-Kernel gpu_check.sh put there)."""
     import re
     import time
 
-    env = dict(os.environ, BENCH_TIME_LIMIT_S="27", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    # a stand-in Liger-Kernel on PYTHONPATH (gpu_check.sh installs the real one there): the row's process must see it
+    fake = tmp_path / "site" / "liger_kernel"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "ops.py").write_text("class LigerFusedLinearKLDivFunction:\n    pass\n")
+    env = dict(os.environ, BENCH_TIME_LIMIT_S="27", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(x for x in [os.environ.get("PYTHONPATH", ""), str(tmp_path / "site")] if x))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--shape", "tiny", "--seq-len", "64",
                            "--accum", "1", "--steps", "100000", "--algorithms", "dflash", "--no-peer", "--no-profile",
@@ -395,6 +402,7 @@ def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     err = row["error"]
     assert row["tokens_per_s"] is None and err.startswith("GroupTimeout") and wall < 27, (wall, err)
     assert "process started" in err and "draft built" in err and "training" in err, err
+    assert "Liger-Kernel importable" in err, err  # the caller's PYTHONPATH reached the row's process
     first = re.search(r"optimizer step 1/100000 done in ([0-9.]+) s", err)
     last = re.findall(r"optimizer step (\d+)/100000", err)
     assert first and len(last) >= 2 and int(last[-1]) > 2, err
