@@ -75,6 +75,7 @@ def build_parts(cfg, info):
     from deepspec.train.parts import TrainParts
 
     path = resolve_target_path(cfg.target.name)
+    on_finish: list = []
     if cfg.cache.mode == "online":
         train_data, val_data, target = open_online_datasets(cfg, info)
         target_config = target.config
@@ -84,7 +85,8 @@ def build_parts(cfg, info):
             from deepspec.data.stream.trainer import open_stream_datasets
             from deepspec.train.checkpoint import resume_step
 
-            train_data, val_data = open_stream_datasets(cfg, info, resume_step(cfg))
+            train_data, val_data, finish = open_stream_datasets(cfg, info, resume_step(cfg))
+            on_finish.append(finish)
         else:
             train_data, val_data = open_cache_datasets(cfg)
         target_config = resolve_config(cfg.target.name, cfg.target.revision, cfg.target.trust_remote_code)
@@ -114,7 +116,7 @@ def build_parts(cfg, info):
     manifest = getattr(train_data, "manifest", None) or {}
     provenance = {k: manifest[k] for k in ("target", "target_revision", "taps", "template_hash", "data_hash", "chat_template_kwargs") if k in manifest}
     provenance.setdefault("target", cfg.target.name)
-    return TrainParts(model=model, train_data=train_data, val_data=val_data, provenance=provenance)
+    return TrainParts(model=model, train_data=train_data, val_data=val_data, provenance=provenance, on_finish=on_finish)
 
 
 def open_cache_datasets(cfg):

@@ -287,6 +287,8 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
         loader.close()
         bar.close()
         loggers.close()
+        for finish in parts.on_finish:
+            finish()
     if last_dir is None:
         last_dir = ckpt.latest_step_dir(run_dir)
     return last_dir

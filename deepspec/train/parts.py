@@ -22,3 +22,6 @@ class TrainParts:
     provenance: dict[str, Any] = field(default_factory=dict)
     # write_draft(directory, fp32 trainable state dict) -> writes config.json + model.safetensors
     write_draft: Callable[[Path, dict[str, torch.Tensor]], None] | None = None
+    # run once when training ends in this process, before train() returns (a streamed run's producers finishing the
+    # kept cache): an in-process caller then finds everything the run writes written
+    on_finish: list[Callable[[], None]] = field(default_factory=list)

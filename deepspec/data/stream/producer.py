@@ -226,6 +226,8 @@ class Producer:
                 return
             self._idle("waiting for the other producers' kept samples")
         self._heartbeat("writing the kept cache", force=True)
+        if os.environ.get("DEEPSPEC_FAULT_KEEP_DELAY_S"):  # fault injection for tests: a cache that takes a while to write
+            time.sleep(float(os.environ["DEEPSPEC_FAULT_KEEP_DELAY_S"]))
         write_cache(self.cfg, plan, self.spool, tconf)
 
     def _fit(self, missing: list[tuple[int, int]], want: list[tuple[int, int]], plan) -> list[int]:

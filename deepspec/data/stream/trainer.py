@@ -19,7 +19,12 @@ def open_stream_datasets(cfg, info, start_step: int):
     """cache.mode=stream: training samples come through the spool (rank 0 publishes the plan and starts the local
     producers); validation reads the held-out offline cache when it was built (small: `deepspec data cache --split
     heldout`, which `deepspec run` does), else training runs without validation. `start_step`: the step the trainer
-    resumes at (its newest intact checkpoint's, 0 for a new run), where the ranks start reading."""
+    resumes at (its newest intact checkpoint's, 0 for a new run), where the ranks start reading.
+
+    Returns (train, val, finish). `finish()` ends this rank's part once training is over: the producers see its done
+    mark, and rank 0 waits for its local producers (with cache.spool_keep, until they have written the kept records
+    into the offline cache, however long that takes; after a failed run, 30 s). The trainer calls it before `train()`
+    returns, so an in-process caller finds the kept cache complete; it also runs at exit, once."""
     import atexit
 
     import torch.distributed as dist
@@ -28,7 +33,8 @@ def open_stream_datasets(cfg, info, start_step: int):
     plan = make_plan(cfg, "train", tokenizer, tconf, count_tokens=True)
     G = cfg.train.global_batch_size
     total = total_steps(len(plan.samples), G, cfg.train.max_steps, cfg.train.epochs)
-    reader: list = []  # this rank's SpoolDataset, once made (the producers' stop at exit asks whether it finished)
+    reader: list = []  # this rank's SpoolDataset, once made (the producers' stop asks whether it finished)
+    stop_producers = None
     spool = spool_dir(cfg)
     spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
     channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
@@ -41,13 +47,11 @@ def open_stream_datasets(cfg, info, start_step: int):
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
 
-            def stop() -> None:
+            def stop_producers() -> None:
                 # with spool_keep they still write the offline cache after the last read: wait for them, however long;
                 # a trainer that failed before its last read leaves them nothing to finish
                 finished = bool(reader) and reader[0].done
                 stop_local_producers(procs, None if cfg.cache.spool_keep and finished else 30.0)
-
-            atexit.register(stop)
         else:
             log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
                      "(the same recipe and --opts); spool %s", spool)
@@ -61,7 +65,17 @@ def open_stream_datasets(cfg, info, start_step: int):
     train = sp.SpoolDataset(channel, plan, global_batch=G, rank=info.rank, world=info.world, taps=plan.signature["taps"], rows=rows,
                             local=spool, timeout_s=cfg.cache.stream_timeout_s, keep=cfg.cache.spool_keep)
     reader.append(train)
-    atexit.register(train.linger)  # runs before stop() (registered earlier): the producers stop on their own first
+    finished: list[bool] = []
+
+    def finish() -> None:
+        if finished:
+            return
+        finished.append(True)
+        train.linger()  # first: the producers stop on their own once they see every rank's done mark
+        if stop_producers is not None:
+            stop_producers()
+
+    atexit.register(finish)  # a trainer that failed before its loop ran (or a caller that never calls it)
     val = None
     from deepspec.data.cache.format import is_complete
 
@@ -72,4 +86,4 @@ def open_stream_datasets(cfg, info, start_step: int):
     else:
         log.warning("no held-out cache at %s: training without validation (build it with `deepspec data cache CONFIG --split heldout`)",
                     cfg.cache_heldout_dir)
-    return train, val
+    return train, val, finish
