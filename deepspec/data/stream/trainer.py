@@ -4,6 +4,8 @@ and read the training samples from the spool; validation reads the held-out offl
 
 from __future__ import annotations
 
+from typing import Callable
+
 from deepspec.data.batches import total_steps
 from deepspec.data.cache.plan import load_plan_inputs, make_plan, tap_rows
 from deepspec.data.stream import spool as sp
@@ -34,7 +36,7 @@ def open_stream_datasets(cfg, info, start_step: int):
     G = cfg.train.global_batch_size
     total = total_steps(len(plan.samples), G, cfg.train.max_steps, cfg.train.epochs)
     reader: list = []  # this rank's SpoolDataset, once made (the producers' stop asks whether it finished)
-    stop_producers = None
+    stop_producers: Callable[[], None] | None = None
     spool = spool_dir(cfg)
     spool.mkdir(parents=True, exist_ok=True)  # each rank's ledger; the records too with the folder transport
     channel = open_channel(cfg, spool, role="trainer", largest_record=sp.largest_record(plan))
@@ -47,11 +49,13 @@ def open_stream_datasets(cfg, info, start_step: int):
         if cfg.cache.stream_producers:
             procs = start_local_producers(cfg, spool, cfg.cache.stream_producers)
 
-            def stop_producers() -> None:
+            def stop() -> None:
                 # with spool_keep they still write the offline cache after the last read: wait for them, however long;
                 # a trainer that failed before its last read leaves them nothing to finish
                 finished = bool(reader) and reader[0].done
                 stop_local_producers(procs, None if cfg.cache.spool_keep and finished else 30.0)
+
+            stop_producers = stop
         else:
             log.info("streamed run: start the producers with `deepspec data stream CONFIG --producer W --producers N` "
                      "(the same recipe and --opts); spool %s", spool)
