@@ -11,11 +11,12 @@ Both sides record every stage in the order the engine computes it:
   state, one query over the step-1 cache): its input token, each layer, norm, logits, token.
   DFlash / DSpark: taps -> fc -> context (hidden_norm) -> the block's input ids (anchor + mask token) -> each
   layer -> final norm -> logits of the sampled rows -> (DSpark) those logits plus each slot's Markov bias, left to
-  right -> tokens -> (DSpark with a confidence head, vLLM) each drafted slot's confidence.
+  right -> tokens -> (DSpark with a confidence head) each drafted slot's confidence.
 
-The confidence stage is what vLLM's adaptive verification ranks draft slots by: `Qwen3DSparkForCausalLM.
-compute_confidence` (sigmoid of the head over the slot's final-norm row and the Markov embedding of the token before
-it) from the export's weights, against sigmoid(a z + b) of our head's logit z, with the (a, b) the export declares baked
+The confidence stage is what vLLM's adaptive verification and SGLang's confidence-driven verify modes rank draft slots
+by: `Qwen3DSparkForCausalLM.compute_confidence` in vLLM, `Qwen3DSparkModel.compute_confidence` in SGLang (built in its
+`cap-accept` verify mode: its default `static` mode skips the head) — sigmoid of the head over the slot's final-norm row
+and the Markov embedding of the token before it — from the export's weights, against sigmoid(a z + b) of our head's logit z, with the (a, b) the export declares baked
 (`deepspec export --calibration`; none: (1, 0)). Its tolerance is derived, not relative: the head's Lipschitz bound
 (1/4 of the summed |weight| over the hidden part) times the difference block.norm shows, plus the fp32 rounding of
 both sides' dot products (check_reference.confidence_tolerance). A head whose weights lost (or gained) the declared
@@ -297,7 +298,8 @@ def check_exports(exports: list[str | Path], engines: tuple[str, ...] = ENGINES,
                 draft, inputs = our_side(ckpt, cfg, ds)
                 ec = EngineCheck("sglang", "pass", engine_class=SGLANG_CLASSES[algo])
                 report.engines.append(ec)
-                pending.append((report, ec, trace_ours(draft, inputs), inputs, cfg, export, ckpt))
+                conf = (declared_calibration(cfg) or (1.0, 0.0)) if algo == "dspark" else None
+                pending.append((report, ec, trace_ours(draft, inputs, conf), inputs, cfg, export, ckpt))
     for run, jobs in ((lambda j: run_sglang(find_side_dir(), j, timeout), pending), (lambda j: run_vllm(j, timeout, runner[0]), pending_vllm)):
         if jobs:
             for (report, ec, ours, _, cfg, export, ckpt), theirs in zip(jobs, run([(p[5], p[3]) for p in jobs])):

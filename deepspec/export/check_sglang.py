@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import traceback
 import types
@@ -88,6 +89,11 @@ class _Runner:
             return fn(fb)
 
 
+# SGLang builds a DSpark confidence head only in its confidence-driven verify modes (`static`, its default, skips the
+# head's weights): an export that carries a head is checked in one of them, as a server that uses the head runs it
+CONFIDENCE_VERIFY_MODE = "cap-accept"
+
+
 def _build(export: Path):
     from safetensors.torch import load_file
     from sglang.srt.utils.hf_transformers_utils import get_config
@@ -97,8 +103,20 @@ def _build(export: Path):
     module = {"LlamaForCausalLMEagle3": "llama_eagle3", "DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}.get(arch)
     if module is None:
         raise ValueError(f"no SGLang check for architecture {arch}")
-    model = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)(cfg).float().eval()
-    model.load_weights(list(load_file(str(export / "model.safetensors")).items()))
+    weights = load_file(str(export / "model.safetensors"))
+    mode = CONFIDENCE_VERIFY_MODE if any(k.startswith("confidence_head.") for k in weights) else None
+    saved = os.environ.get("SGLANG_RAGGED_VERIFY_MODE")
+    if mode:
+        os.environ["SGLANG_RAGGED_VERIFY_MODE"] = mode
+    try:
+        model = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)(cfg).float().eval()
+        model.load_weights(list(weights.items()))
+    finally:
+        if mode:
+            if saved is None:
+                os.environ.pop("SGLANG_RAGGED_VERIFY_MODE", None)
+            else:
+                os.environ["SGLANG_RAGGED_VERIFY_MODE"] = saved
     return cfg, model
 
 
@@ -216,6 +234,10 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
                 toks.append(prev[0])
             out["block.markov_logits"] = torch.stack(steps)
             out["block.tokens"] = torch.stack(toks)
+            if getattr(model, "confidence_head", None) is not None:  # as its verify modes rank the drafted slots
+                conf, _ = model.compute_confidence(anchor_tokens=block_ids[:1], draft_tokens=out["block.tokens"][None],
+                                                   confidence_features=rows[None])
+                out["block.confidence"] = conf[0]
         else:
             out["block.tokens"] = logits.argmax(-1)
         for hk in hooks:
