@@ -62,3 +62,25 @@ def edit_export(src: Path, dst: Path, cfg_fn=None, tensors_fn=None) -> Path:
         tensors_fn(t)
         save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+# --- confidence-head breakages that `deepspec check` must catch, in vLLM's class and in SGLang's ----------------------
+
+BAKED = (0.4, -0.6)  # the calibration a calibrated DSpark export bakes (close to the quickstart's T = 1 fit)
+
+
+def declare_calibration(cfg):
+    """config.json says the calibration is baked, the weights hold the raw head (a writer that forgot to bake)."""
+    cfg["deepspec"]["confidence_calibration"] = {"baked": {"a": BAKED[0], "b": BAKED[1], "temperature": 1.0}}
+
+
+def roll_confidence_head(t):
+    """The confidence head's input columns one off: every weight stays, each multiplies its neighbour's feature."""
+    t["confidence_head.proj.weight"] = t["confidence_head.proj.weight"].roll(1, 1)
+
+
+def drop_confidence_head(t):
+    """No confidence weights: vLLM's load_weights drops the head (adaptive verification falls back to its estimator);
+    SGLang's confidence-driven verify modes refuse the checkpoint."""
+    for k in [k for k in t if k.startswith("confidence_head.")]:
+        t.pop(k)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepspec.export.writers import export_draft
-from random_drafts import edit_export, random_draft_checkpoint
+from random_drafts import declare_calibration, drop_confidence_head, edit_export, random_draft_checkpoint, roll_confidence_head
 
 
 
@@ -71,22 +71,6 @@ def _wrong_mask(cfg):
     cfg["dflash_config"]["mask_token_id"] = cfg["dflash_config"]["mask_token_id"] - 1
 
 
-def _roll_confidence_head(t):
-    """The confidence head's input columns one off: every weight stays, each multiplies its neighbour's feature."""
-    t["confidence_head.proj.weight"] = t["confidence_head.proj.weight"].roll(1, 1)
-
-
-def _drop_confidence_head(t):
-    """No confidence weights: SGLang's verify modes that use the head refuse such a checkpoint."""
-    for k in [k for k in t if k.startswith("confidence_head.")]:
-        t.pop(k)
-
-
-def _declare_calibration(cfg):
-    """config.json says a calibration is baked, the weights hold the raw head (a writer that forgot to bake)."""
-    cfg["deepspec"]["confidence_calibration"] = {"baked": {"a": 0.4, "b": -0.6, "temperature": 1.0}}
-
-
 # broken case -> (good export it starts from, config edit, tensor edit, first mismatch, words the cause must contain)
 BROKEN = {
     "fc_norm dropped": ("eagle31", _drop_fc_norm, _drop_fc_norm_weights, "step1.fc", "fc_norm"),
@@ -99,9 +83,9 @@ BROKEN = {
     "causal DFlash block": ("dflash", _causal_block, None, "block.layer0", "is_causal"),
     "DSpark RNN cell columns unswapped": ("dspark-rnn", None, _rnn_columns_unswapped, "block.markov_logits", "markov"),
     # the confidence head SGLang's confidence-driven verify modes rank drafted slots by
-    "DSpark confidence head rolled": ("dspark-rnn", None, _roll_confidence_head, "block.confidence", "confidence_head"),
-    "DSpark confidence head dropped": ("dspark-rnn", None, _drop_confidence_head, "block.confidence", "confidence_head"),
-    "DSpark calibration declared, not baked": ("dspark-rnn", _declare_calibration, None, "block.confidence", "confidence_head"),
+    "DSpark confidence head rolled": ("dspark-rnn", None, roll_confidence_head, "block.confidence", "confidence_head"),
+    "DSpark confidence head dropped": ("dspark-rnn", None, drop_confidence_head, "block.confidence", "confidence_head"),
+    "DSpark calibration declared, not baked": ("dspark-rnn", declare_calibration, None, "block.confidence", "confidence_head"),
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from random_drafts import edit_export, random_draft_checkpoint
+from random_drafts import BAKED, declare_calibration, drop_confidence_head, edit_export, random_draft_checkpoint, roll_confidence_head
 from test_check import (  # the same edits as the SGLang check's
     _causal_block, _drop_fc_norm, _drop_fc_norm_weights, _flip_norm_output, _rope_theta_x4, _shift_d2t, _wrong_mask)
 
@@ -36,7 +36,6 @@ def _scale_hidden_norm(t):
     t["hidden_norm.weight"] = t["hidden_norm.weight"] * 2
 
 
-BAKED = (0.4, -0.6)  # the calibration the calibrated DSpark export bakes (close to the quickstart's T = 1 fit)
 
 
 def _write_calibration(path, a: float, b: float):
@@ -49,25 +48,9 @@ def _write_calibration(path, a: float, b: float):
     return path
 
 
-def _declare_calibration(cfg):
-    """config.json says the calibration is baked, the weights hold the raw head (a writer that forgot to bake)."""
-    cfg["deepspec"]["confidence_calibration"] = {"baked": {"a": BAKED[0], "b": BAKED[1], "temperature": 1.0}}
-
-
 def _undeclare_calibration(cfg):
     """The weights hold the calibrated head, config.json no longer says so (a baked head taken for a raw one)."""
     del cfg["deepspec"]["confidence_calibration"]
-
-
-def _roll_confidence_head(t):
-    """The confidence head's input columns one off: every weight stays, each multiplies its neighbour's feature."""
-    t["confidence_head.proj.weight"] = t["confidence_head.proj.weight"].roll(1, 1)
-
-
-def _drop_confidence_head(t):
-    """No confidence weights: vLLM's load_weights drops the head and adaptive verification falls back to its estimator."""
-    for k in [k for k in t if k.startswith("confidence_head.")]:
-        t.pop(k)
 
 
 # case -> (good export it starts from, config edit, tensor edit, first divergent stage, words its likely cause must contain)
@@ -93,11 +76,11 @@ BROKEN = {
                                           "sample_from_anchor"),
     # DSpark's confidence head, what vLLM's adaptive verification ranks slots by: a calibration declared but not in the
     # weights, one in the weights but no longer declared, the head's columns one off, the head's weights missing
-    "DSpark calibration declared, not baked": ("dspark", _declare_calibration, None, "block.confidence", "confidence_head"),
+    "DSpark calibration declared, not baked": ("dspark", declare_calibration, None, "block.confidence", "confidence_head"),
     "DSpark calibration baked, not declared": ("dspark-calibrated", _undeclare_calibration, None, "block.confidence",
                                                "confidence_head"),
-    "DSpark confidence head rolled": ("dspark-calibrated", None, _roll_confidence_head, "block.confidence", "confidence_head"),
-    "DSpark confidence head dropped": ("dspark", None, _drop_confidence_head, "block.confidence", "confidence_head"),
+    "DSpark confidence head rolled": ("dspark-calibrated", None, roll_confidence_head, "block.confidence", "confidence_head"),
+    "DSpark confidence head dropped": ("dspark", None, drop_confidence_head, "block.confidence", "confidence_head"),
     # the window is honoured: twice as wide lets the block see context the draft was trained without
     "DFlash window x2": ("dflash-sliding", lambda c: c.__setitem__("sliding_window", 2 * c["sliding_window"]), None,
                          "block.layer0", "sliding_window"),
