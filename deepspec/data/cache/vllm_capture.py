@@ -125,10 +125,11 @@ class VLLMFeaturizer:
                                max_model_len=max_model_len, batch_tokens=batch_tokens, revision=revision,
                                trust_remote_code=trust_remote_code)
         kwargs.update(vllm_kwargs or {})
-        from deepspec.data.engines.vllm_engine import in_process_cpu_env  # (it reads the user's start method first)
+        from deepspec.data.engines.vllm_engine import in_process_cpu_env, in_process_ipc_dir  # (reads the user's start method first)
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.in_process = in_process_cpu_env()
+        in_process_ipc_dir()
         log.info("starting vLLM (extract_hidden_states, aux ids %s, %s) for %s", aux_ids,
                  kwargs["kv_transfer_config"]["kv_connector"], target_path)
         self.llm = LLM(**kwargs)

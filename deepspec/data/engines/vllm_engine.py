@@ -8,6 +8,8 @@ On a GPU vLLM starts an engine-core process; callers must run this under an
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import MutableMapping
 from typing import Any
 
 from deepspec.cpus import usable_cpus
@@ -65,6 +67,39 @@ def in_process_cpu_env() -> bool:
     return not envs.VLLM_ENABLE_V1_MULTIPROCESSING  # what vLLM reads (it may have cached it for this process)
 
 
+def private_ipc_dir(env: MutableMapping[str, str]) -> str | None:
+    """Point vLLM's inter-process sockets at a new folder of ours and return it, for the caller to remove once vLLM is
+    gone; None when `env` already names one (VLLM_RPC_BASE_PATH: the user's choice wins).
+
+    vLLM names each ZMQ socket between its processes ipc://$VLLM_RPC_BASE_PATH/<uuid>, by default in the system's
+    temporary folder, and never removes the files: three per server start (API server <-> engine core), so a machine
+    that runs the suite or daily evals collects thousands in /tmp."""
+    if env.get("VLLM_RPC_BASE_PATH") and env["VLLM_RPC_BASE_PATH"] != _PROCESS_IPC_DIR:
+        return None
+    folder = tempfile.mkdtemp(prefix="deepspec-ipc-")
+    env["VLLM_RPC_BASE_PATH"] = folder
+    return folder
+
+
+_PROCESS_IPC_DIR: str | None = None  # in_process_ipc_dir's folder (in os.environ, but not the user's choice)
+
+
+def in_process_ipc_dir() -> None:
+    """`private_ipc_dir` for the engines this process builds (an engine-core process of its own on a GPU): one folder
+    per process, removed at exit (a socket file removed while in use keeps its connections). A server started later
+    from this process still gets a folder of its own."""
+    global _PROCESS_IPC_DIR
+    if _PROCESS_IPC_DIR is not None:
+        return
+    folder = private_ipc_dir(os.environ)
+    if folder is not None:
+        import atexit
+        import shutil
+
+        _PROCESS_IPC_DIR = folder
+        atexit.register(shutil.rmtree, folder, True)
+
+
 def vllm_llm_kwargs(model_path: str, max_model_len: int | None, seed: int, extra: dict[str, Any]) -> dict[str, Any]:
     """Arguments for vllm.LLM: CPU-friendly defaults (eager mode, small KV cache), overridable."""
     import torch
@@ -75,6 +110,7 @@ def vllm_llm_kwargs(model_path: str, max_model_len: int | None, seed: int, extra
     if not torch.cuda.is_available():
         kwargs["enforce_eager"] = True  # CUDA graphs / compile do not apply; eager starts fastest
         in_process_cpu_env()
+    in_process_ipc_dir()
     kwargs.update(extra)
     return kwargs
 
