@@ -77,6 +77,9 @@ def private_ipc_dir(env: MutableMapping[str, str]) -> str | None:
     if env.get("VLLM_RPC_BASE_PATH") and env["VLLM_RPC_BASE_PATH"] != _PROCESS_IPC_DIR:
         return None
     folder = tempfile.mkdtemp(prefix="deepspec-ipc-")
+    if len(folder) + 37 > 100:  # "/<uuid>" must keep a socket's path under the OS's limit (104-108 bytes)
+        os.rmdir(folder)
+        return None
     env["VLLM_RPC_BASE_PATH"] = folder
     return folder
 
