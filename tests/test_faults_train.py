@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_recipe import max_weight_diff, step_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,17 +102,6 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(step_dir / "model.safetensors"))
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 # ----------------------------------------------------------------------------- preemption
 
 
@@ -143,7 +133,7 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_loses_none(recipe):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         ref = train(reference)
-    assert _max_diff(_weights(ref), _weights(run_dir / "step_40")) < 1e-5
+    assert max_weight_diff(step_weights(ref), step_weights(run_dir / "step_40")) < 1e-5
     assert _logged_steps(run_dir) == list(range(1, 41))
 
 
@@ -159,7 +149,7 @@ def test_muon_sharded_across_two_workers_trains_exactly_as_every_rank_doing_all_
         rc, err = _finish(_train_sh(recipe, 2, *opts))
         assert rc == 0, err[-3000:]
         runs[shard] = _cfg(recipe, *opts).run_dir / "step_4"
-    a, b = _weights(runs["true"]), _weights(runs["false"])
+    a, b = step_weights(runs["true"]), step_weights(runs["false"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     moments_a, moments_b = _optimizer_state(runs["true"]), _optimizer_state(runs["false"])
     assert any(k.endswith("momentum_buffer") for k in moments_a)
@@ -322,7 +312,7 @@ def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_ch
     run_dir = cfg.run_dir
     rows = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()}
     for s in range(1, 9):
-        before, after = _weights(run_dir / f"step_{s - 1}") if s > 1 else None, _weights(run_dir / f"step_{s}")
+        before, after = step_weights(run_dir / f"step_{s - 1}") if s > 1 else None, step_weights(run_dir / f"step_{s}")
         opt_before, opt_after = _optimizer_state(run_dir / f"step_{s - 1}") if s > 1 else None, _optimizer_state(run_dir / f"step_{s}")
         assert all(torch.isfinite(v).all() for v in after.values())
         updates = s - sum(b <= s for b in bad_steps)  # AdamW counts the updates it made, not the steps
@@ -331,10 +321,10 @@ def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_ch
         assert any(k.endswith(".momentum_buffer") for k in opt_after) and any(k.endswith(".exp_avg_sq") for k in opt_after)
         if s in bad_steps:
             assert rows[s]["train/loss"] != rows[s]["train/loss"]  # NaN logged as it was
-            assert _max_diff(before, after) == 0.0  # no update at all
+            assert max_weight_diff(before, after) == 0.0  # no update at all
             assert opt_before.keys() == opt_after.keys() and all(torch.equal(opt_before[k], opt_after[k]) for k in opt_after)
         elif before is not None:
-            assert _max_diff(before, after) > 0
+            assert max_weight_diff(before, after) > 0
             assert all(not torch.equal(opt_before[k], opt_after[k]) for k in opt_after if k.endswith((".momentum_buffer", ".exp_avg")))
     assert out.name == "step_8"
     sid = str(json.loads((cfg.cache_train_dir / "ids.json").read_text())[bad_sample])
@@ -353,7 +343,7 @@ def test_nonfinite_steps_update_nothing_and_a_streak_stops_with_the_last_good_ch
     with pytest.raises(NonFiniteLossError, match="3 steps in a row .*up to step 11"):
         _train_poisoned(more, {"all"})
     latest = latest_step_dir(run_dir)
-    assert latest.name == "step_10" and _max_diff(_weights(latest), _weights(run_dir / "step_8")) == 0.0
+    assert latest.name == "step_10" and max_weight_diff(step_weights(latest), step_weights(run_dir / "step_8")) == 0.0
 
 
 def test_a_nonfinite_validation_is_never_a_step_best_candidate():
@@ -392,7 +382,7 @@ def test_truncated_checkpoint_falls_back_to_the_newest_intact_step_and_secrets_s
         reference = train(_cfg(recipe, "run.name=corrupt-ref", *opts[1:]))
     assert any("step_4 is damaged (model.safetensors: SafetensorError" in r.getMessage() for r in logs.records)
     assert any("resuming from" in r.getMessage() and "step_2" in r.getMessage() for r in logs.records)
-    assert again.name == "step_4" and _max_diff(_weights(again), _weights(reference)) < 1e-6
+    assert again.name == "step_4" and max_weight_diff(step_weights(again), step_weights(reference)) < 1e-6
     leaked = [p for p in cfg.run_dir.rglob("*") if p.is_file() and (b"hunter2" in p.read_bytes() or b"sk-SECRET42" in p.read_bytes())]
     assert not leaked, leaked
     assert "<redacted>" in (cfg.run_dir / "config.yaml").read_text()

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tiny_recipe import conversation  # the trainer tests' conversations
+from tiny_recipe import conversation, step_weights  # the trainer tests' conversations and saved weights
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12  # two epochs of 6 steps (24 samples, global batch 4)
@@ -200,12 +200,6 @@ def test_trainer_killed_resumes_and_its_producer_makes_again_what_it_needs(recip
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(5, STEPS + 1)), (got, ref)
 
 
-def _weights(step_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(step_dir / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_a_killed_producer_is_replaced_and_a_sigterm_while_waiting_for_a_paused_one_resumes_exactly(recipe, reference):
     """2 gloo workers fed by a separately started producer, one run through two faults.
@@ -259,7 +253,7 @@ def test_a_killed_producer_is_replaced_and_a_sigterm_while_waiting_for_a_paused_
                 p.kill()
     stats = json.loads(p_out.strip().splitlines()[-1])
     assert 0 < stats["produced"] <= STEPS * GLOBAL and stats["peak_bytes"] <= CAP_GB * 1e9, stats
-    ref, got = _weights(reference / f"step_{STEPS}"), _weights(cfg.run_dir / f"step_{STEPS}")
+    ref, got = step_weights(reference / f"step_{STEPS}"), step_weights(cfg.run_dir / f"step_{STEPS}")
     assert ref.keys() == got.keys() and all((got[k].double() - ref[k].double()).abs().max() < 1e-5 for k in ref)
     ref_loss, got_loss = _losses(reference), _losses(cfg.run_dir)  # steps 1..finished from the first run, then the rerun's
     assert set(got_loss) == set(ref_loss) and all(abs(got_loss[s] - ref_loss[s]) < 1e-5 for s in ref_loss), (got_loss, ref_loss)

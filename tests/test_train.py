@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_recipe import max_weight_diff, step_weights
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -75,17 +76,6 @@ def _losses(run_dir: Path) -> dict[int, float]:
         row = json.loads(line)
         out[row["step"]] = row["train/loss"]
     return out
-
-
-def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(step_dir / "model.safetensors"))
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -280,15 +270,15 @@ def test_two_workers_match_one_worker_ddp_and_fsdp(recipe, reference):
     """2 gloo workers x 4 accumulation == 1 worker x 8 accumulation, same global batch, after 6 steps."""
     from deepspec.train import launch
 
-    ref = _weights(reference / f"step_{STEPS}")
+    ref = step_weights(reference / f"step_{STEPS}")
     ref_losses = _losses(reference)
     for parallel in ("ddp", "fsdp"):
         cfg = _cfg(recipe, f"train.parallel={parallel}", f"run.name={parallel}")
         out = launch(cfg, 2, env=_env())
         assert out == cfg.run_dir / f"step_{STEPS}"
-        diff = _max_diff(ref, _weights(out))
+        diff = max_weight_diff(ref, step_weights(out))
         assert diff < 1e-5, f"{parallel}: parameters differ by {diff}"
-        assert _max_diff(ref, _weights(reference / "step_4")) > 1e-5  # training still moves the weights
+        assert max_weight_diff(ref, step_weights(reference / "step_4")) > 1e-5  # training still moves the weights
         losses = _losses(cfg.run_dir)
         assert all(abs(losses[s] - ref_losses[s]) < 1e-5 for s in range(1, STEPS + 1)), (parallel, losses, ref_losses)
         if parallel == "fsdp":
@@ -324,7 +314,7 @@ def test_loader_processes_train_exactly_like_the_thread(recipe, reference):
     assert isinstance(loader, ProcessLoader) and loader.loader.num_workers == 2
     assert out.name == f"step_{STEPS}"
     assert _losses(cfg.run_dir) == _losses(reference)
-    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
+    assert max_weight_diff(step_weights(reference / f"step_{STEPS}"), step_weights(out)) == 0.0
 
 
 def test_val_every_zero_validates_at_the_end_only(recipe):
@@ -349,7 +339,7 @@ def test_the_data_thread_trains_exactly_like_inline_loading(recipe, reference):
     out, loader = _train_recording_the_loader(cfg)
     assert isinstance(loader, Prefetcher) and loader.depth == 2  # a thread two micro-batches ahead
     assert _losses(cfg.run_dir) == _losses(reference)
-    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(out)) == 0.0
+    assert max_weight_diff(step_weights(reference / f"step_{STEPS}"), step_weights(out)) == 0.0
 
     class Spool:
         def follow(self, schedule):
@@ -380,7 +370,7 @@ def test_sigkill_then_rerun_resumes_exactly(recipe, reference):
     assert logged == list(range(1, STEPS + 1)), logged
     val_steps = [json.loads(line)["step"] for line in (run_dir / "val_log.jsonl").read_text().splitlines()]
     assert val_steps == [3, 6], val_steps
-    assert _max_diff(_weights(reference / f"step_{STEPS}"), _weights(run_dir / f"step_{STEPS}")) < 1e-5
+    assert max_weight_diff(step_weights(reference / f"step_{STEPS}"), step_weights(run_dir / f"step_{STEPS}")) < 1e-5
     # keep_last=2 plus the best checkpoint; only complete step dirs remain
     from deepspec.train.checkpoint import list_steps, read_best
 
@@ -520,7 +510,7 @@ def test_dflash_random_anchors_do_not_depend_on_worker_count(recipe):
     with _on_cpu():
         one = train(_cfg(recipe, *opts, f"train.output_root={recipe.parent / 'one'}"))
     two = launch(_cfg(recipe, *opts), 2, env=_env())
-    assert _max_diff(_weights(one), _weights(two)) < 1e-5
+    assert max_weight_diff(step_weights(one), step_weights(two)) < 1e-5
     assert _losses(one.parent) == pytest.approx(_losses(two.parent), abs=1e-6)
 
 
@@ -540,7 +530,7 @@ def test_fsdp_trains_drafts_whose_layers_are_driven_by_methods(recipe, algorithm
         plain = train(_cfg(recipe, *opts))
         sharded = train(_cfg(recipe, *opts, "train.parallel=fsdp", f"run.name=fsdp-{algorithm}-sharded"))
     assert _losses(plain.parent) == pytest.approx(_losses(sharded.parent), abs=1e-6)
-    assert _max_diff(_weights(plain), _weights(sharded)) < 1e-5
+    assert max_weight_diff(step_weights(plain), step_weights(sharded)) < 1e-5
 
     from deepspec.config import load_config
     from deepspec.drafts.layers import MLP
@@ -568,7 +558,7 @@ def test_fsdp_trains_like_the_plain_draft_in_bf16(recipe):
         plain = train(_cfg(recipe, *opts))
         sharded = train(_cfg(recipe, *opts, "train.parallel=fsdp", "run.name=bf16-sharded"))
     assert _losses(sharded.parent)[1] == pytest.approx(_losses(plain.parent)[1], rel=1e-2)
-    assert _max_diff(_weights(plain), _weights(sharded)) <= 2 * lr * steps
+    assert max_weight_diff(step_weights(plain), step_weights(sharded)) <= 2 * lr * steps
 
 
 def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):

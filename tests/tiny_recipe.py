@@ -64,3 +64,16 @@ logging: {{progress: false{', ' + logging if logging else ''}}}
     for split in build:
         build_cache(cfg, split)
     return path
+
+
+def step_weights(step_dir: Path) -> dict:
+    """The draft weights a run saved at one step (its model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "model.safetensors"))
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two saved sets of the same weights (in float64)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
