@@ -93,7 +93,7 @@ else
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
   TESTS=(-q)
   V4=()
-  L_ENV=60; L_TESTS=90; L_OURS=400; L_LIGER=120; L_CACHE=130; L_PEER=180; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
+  L_ENV=60; L_TESTS=90; L_OURS=400; L_LIGER=120; L_CACHE=130; L_PEER=220; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
   RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); RECIPE_ATT=flex; L_RECIPE=300
 fi
