@@ -390,7 +390,7 @@ def test_vllm_sockets_go_to_a_folder_of_ours_that_a_stopped_server_removes(tmp_p
     server.stop()
     assert not Path(folder).exists() and server.ipc_dir is None
     # the in-process engines' folder is in os.environ, yet a server started from this process gets its own
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "")  # empty = unset, and restored after the test (later servers here)
     monkeypatch.setattr(vllm_engine, "_PROCESS_IPC_DIR", None)
     vllm_engine.in_process_ipc_dir()
     shared = os.environ["VLLM_RPC_BASE_PATH"]
