@@ -46,8 +46,13 @@ whole result as one JSON object on the last line. A row is one (algorithm, seq_l
   reader             `memory` (samples held in memory) or `disk` (--from-cache: an on-disk cache of the shape's taps,
                      width and dtype, written with deepspec.data.cache.format and read through the trainer's own data
                      path: open_cache, the cache reader and the training loader)
+  liger_kernel       whether EAGLE-3's loss ran Liger-Kernel's fused kernel in the row's process
 Each row trains in a fresh subprocess in a process group of its own (benchmarks/_procs.py), so peak memory is per row
-and a row that runs past --row-timeout is killed with every process it started. The run's final checkpoint is not
+and a row that runs past --row-timeout is killed with every process it started. The row's process prints progress
+lines on stderr ("[bench_train row] ...": each phase, each optimizer step with its time and peak GPU memory); a row
+killed for time gets an error that quotes them. Run under a limit of its own (BENCH_TIME_LIMIT_S, which gpu_check.sh's
+row runner sets), every row's limit is shortened so the row is written before that. --require-peer exits 1 when the
+peer did not run beside an EAGLE-3 row. The run's final checkpoint is not
 written (it would follow the measured steps and cost seconds of copies). --smoke: the tiny shape, 64-token samples,
 3 steps of 2 micro-batches — a CPU check of every code path above; its rows train one after the other in this
 process (`row_process`: "shared (--smoke)"; a new interpreter would spend 3-4 s importing torch and transformers on
@@ -77,6 +82,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _procs import GroupTimeout, last_error, pythonpath_with, run_group  # noqa: E402
+
 PROGRESS = "[bench_train row]"
 PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
 PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
