@@ -295,8 +295,9 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     by = {(r["algorithm"], r["reader"], r["seq_len"]): r for r in train if r.get("length_spread") is None and r.get("micro_batch") == 1}
     # the smoke checks the rows' code: they train in bench_train's own process (a measurement gives each its own)
     assert train and all(r["row_process"] == "shared (--smoke)" for r in train), [r.get("row_process") for r in train]
-    packed = [r for r in train if r.get("micro_batch") == 2]
-    assert len(packed) == 1 and "error" not in packed[0] and packed[0]["accum"] == 2 and packed[0]["tokens_per_s"] > 0, packed
+    packed = [r for r in train if r.get("micro_batch") == 2]  # recipe-batch: DFlash, then DSpark
+    assert [r["algorithm"] for r in packed] == ["dflash", "dspark"], packed
+    assert all("error" not in r and r["accum"] == 2 and r["tokens_per_s"] > 0 for r in packed), packed
     for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
         r = by[key]
         assert "error" not in r, r
