@@ -83,6 +83,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _procs import GroupTimeout, last_error, pythonpath_with, run_group  # noqa: E402
 
+STARTED = time.perf_counter()  # BENCH_TIME_LIMIT_S counts from the process start (see time_left)
 PROGRESS = "[bench_train row]"
 PEER_VENV = Path(os.environ.get("PEER_VENV", REPO / ".peer-venv"))
 PEER_CPU_SHIM = Path(os.environ.get("PEER_CPU_SHIM", "/work/shared/peers/speculators_cpu.py"))
@@ -532,13 +533,14 @@ def _peak_memory(device) -> str:
     return f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
 
 
-def time_left(started: float, limit: float, margin_s: float = 15.0) -> float:
-    """`limit` seconds, or fewer when the caller kills this process earlier (BENCH_TIME_LIMIT_S, which a check's row
-    runner sets: benchmarks/_procs.py): a child stopped `margin_s` before that leaves time to write its row."""
+def time_left(limit: float, margin_s: float = 15.0) -> float:
+    """`limit` seconds, or fewer when the caller kills this process earlier (BENCH_TIME_LIMIT_S seconds after it
+    started, which a check's row runner sets: benchmarks/_procs.py): a child stopped `margin_s` before that (its kill
+    grace included) leaves time to write its row."""
     caller = os.environ.get("BENCH_TIME_LIMIT_S")
     if not caller:
         return limit
-    return max(1.0, min(limit, float(caller) - (time.perf_counter() - started) - margin_s))
+    return max(1.0, min(limit, float(caller) - (time.perf_counter() - STARTED) - margin_s))
 
 
 def progress_tail(stderr: str, last_steps: int = 2) -> str:
@@ -940,7 +942,7 @@ def main() -> int:
                     row["row_process"] = "shared (--smoke)"
                 else:
                     try:
-                        proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], time_left(t0, args.row_timeout),
+                        proc = run_group([sys.executable, __file__, "--_row", json.dumps(spec)], time_left(args.row_timeout),
                                          env=dict(os.environ, PYTHONPATH=pythonpath_with(REPO)), grace_s=5.0)
                     except GroupTimeout as e:  # where it got to: the row's last progress lines
                         raise GroupTimeout(f"{e}; its last progress: {progress_tail(e.stderr)}", e.stdout, e.stderr) from None
@@ -963,14 +965,14 @@ def main() -> int:
                     peer_samples = work / f"peer-samples-{algorithm}-{seq_len}.pt"
                     # one sample per step, and one more for its validation split
                     torch.save([samples[i % len(samples)] for i in range(args.steps + 1)], peer_samples)
-                    made = run_group([str(peer_python), __file__, "--_peer_data", str(peer_samples), str(data)], time_left(t0, 1800),
+                    made = run_group([str(peer_python), __file__, "--_peer_data", str(peer_samples), str(data)], time_left(1800),
                                      env=_peer_env(args.peer_pythonpath))
                     if made.returncode != 0:
                         raise RuntimeError("writing the peer's data: " + (made.stderr.strip().splitlines() or ["?"])[-1])
                     peer_spec = {"taps": taps, "draft_vocab": draft_vocab, "ttt": 7, "decay": 0.8, "seq_len": seq_len,
                                  "steps": args.steps, "bf16": bf16, "loss": args.peer_loss}
                     row.update(_peer_row(peer_python, args.peer_pythonpath, target, data, work / f"peer-out-{algorithm}-{seq_len}", peer_spec, device,
-                                         time_left(t0, args.peer_timeout)))
+                                         time_left(args.peer_timeout)))
                     if row.get("tokens_per_s") and row.get("peer_tokens_per_s"):
                         row["ours_over_peer"] = round(row["tokens_per_s"] / row["peer_tokens_per_s"], 3)
                 except Exception as e:

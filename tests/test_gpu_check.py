@@ -391,7 +391,7 @@ def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "ops.py").write_text("class LigerFusedLinearKLDivFunction:\n    pass\n")
-    env = dict(os.environ, BENCH_TIME_LIMIT_S="27", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, BENCH_TIME_LIMIT_S="35", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(x for x in [os.environ.get("PYTHONPATH", ""), str(tmp_path / "site")] if x))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--shape", "tiny", "--seq-len", "64",
@@ -401,7 +401,7 @@ def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.splitlines()[0])
     err = row["error"]
-    assert row["tokens_per_s"] is None and err.startswith("GroupTimeout") and wall < 27, (wall, err)
+    assert row["tokens_per_s"] is None and err.startswith("GroupTimeout") and wall < 35, (wall, err)
     assert "process started" in err and "draft built" in err and "training" in err, err
     assert "Liger-Kernel importable" in err, err  # the caller's PYTHONPATH reached the row's process
     first = re.search(r"optimizer step 1/100000 done in ([0-9.]+) s", err)
