@@ -2,10 +2,11 @@
 
 Why: as it exits, CPython runs a full collection over every object still alive. In a process that imported torch,
 transformers or vLLM and ran a model, that walk costs 0.4-0.7 s of one core and frees nothing anyone will use (a
-tiny `deepspec train` measured 3.0 -> 2.4 s to the shell prompt, before the exception below). `gc.freeze()` moves those objects out of the collector's
-reach first. Everything else about exiting is unchanged: atexit handlers run (logging, wandb, tensorboard, temporary
-folders), objects are released by reference counting as before, and non-daemon threads are waited for; only an object
-kept alive by a reference cycle is not finalised (deepspec closes what it writes explicitly).
+tiny `deepspec train` measured 3.0 -> 2.4 s to the shell prompt, before the exception below). `gc.freeze()` moves
+those objects out of the collector's reach first. Everything else about exiting is unchanged: atexit handlers run
+(logging, wandb, tensorboard, temporary folders), objects are released by reference counting as before, and non-daemon
+threads are waited for; only an object kept alive by a reference cycle is not finalised (deepspec closes what it
+writes explicitly).
 
 Not where a nanobind extension is loaded (Triton's, which transformers' model classes, torch's compiler stack - a
 training rank at its first optimizer step - and vLLM import): nanobind counts its objects still alive when the

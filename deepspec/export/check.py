@@ -19,8 +19,8 @@ by: `Qwen3DSparkForCausalLM.compute_confidence` in vLLM, `Qwen3DSparkModel.compu
 and the Markov embedding of the token before it — from the export's weights, against sigmoid(a z + b) of our head's
 logit z, with the (a, b) the export declares baked (`deepspec export --calibration`; none: (1, 0)). Its tolerance is
 derived, not relative: the head's Lipschitz bound (1/4 of the summed |weight| over the hidden part) times the
-difference block.norm shows, plus the fp32 rounding of both sides' dot products (check_reference.confidence_tolerance). A head whose weights lost (or gained) the declared
-calibration, or a head the engine does not load, diverges there.
+difference block.norm shows, plus the fp32 rounding of both sides' dot products (check_reference.confidence_tolerance).
+A head whose weights lost (or gained) the declared calibration, or a head the engine does not load, diverges there.
 
 The first stage whose maximum absolute difference exceeds its tolerance (token ids: any difference) is the
 divergence; its likely cause comes from the stage (taps: layer ids; fc: fc_norm; next hidden: norm_output; ...)
