@@ -79,7 +79,9 @@ from typing import Callable
 os.environ.setdefault("DEEPSPEC_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+# the repository first: the peer's interpreter runs this file too (--_peer_data, the peer's own `datasets` writing its
+# data), and on a GPU machine that interpreter has no deepspec installed
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 
 from _procs import GroupTimeout, last_error, pythonpath_with, run_group  # noqa: E402
 

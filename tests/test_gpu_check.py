@@ -314,12 +314,13 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert memory["measured_on"] == "cpu" and memory["measured_peak_gb"] > 0 and memory["state"]["trainable_params"] > 1e9
 
 
-def _wheel(folder: Path, dist: str, module: str, version: str) -> Path:
-    """A real (tiny) pure-Python wheel that pip installs: `module` with an empty __init__."""
+def _wheel(folder: Path, dist: str, module: str, version: str, files: dict[str, str] | None = None) -> Path:
+    """A real (tiny) pure-Python wheel that pip installs: `module` with an empty __init__, and `files` (path: text)."""
     import zipfile
 
     info = f"{dist.replace('-', '_')}-{version}.dist-info"
-    files = {f"{module}/__init__.py": "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+    files = {f"{module}/__init__.py": "", **(files or {}),
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
     path = folder / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
@@ -334,12 +335,21 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     of the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs. With
     --peer-wheels, Liger-Kernel's wheel from the folder is installed for our rows (the env row sees it; on a CPU the
     loss does not use it) and kept out of the peer's; a peer that does not run fails its row (its point is the
-    side-by-side figure) with the reason, instead of passing with our figure alone."""
+    side-by-side figure) with the reason, instead of passing with our figure alone.
+
+    The peer's interpreter is the GPU machine's, which has no deepspec: a stand-in `deepspec` in the peer's wheels
+    (first on its path) refuses to import, as the missing package did on that machine's image when bench_train's
+    peer-data writer imported deepspec, so the peer gets as far as its trainer (a stand-in that stops there)."""
     out, wheels = tmp_path / "out", tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "liger-kernel", "liger_kernel", "0.0.1")
-    _wheel(wheels, "speculators", "speculators", "0.0.1")  # no speculators.train: the peer cannot train
-    env = dict(os.environ, PYTHON=sys.executable, DEEPSPEC_NO_PROGRESS="1")
+    _wheel(wheels, "speculators", "speculators", "0.0.1", {"speculators/train/__init__.py": "",
+                                                           "speculators/train/trainer.py": ""})
+    _wheel(wheels, "not-deepspec", "deepspec", "0.0.1",
+           {"deepspec/__init__.py": "raise ImportError('the peer interpreter has no deepspec')\n"})
+    shim = tmp_path / "peer_shim.py"  # the peer's trainer on a CPU (benchmarks/bench_train.py PEER_CPU_SHIM)
+    shim.write_text("import sys, speculators.train.trainer\nsys.exit('stand-in peer trainer: reached, trains nothing')\n")
+    env = dict(os.environ, PYTHON=sys.executable, DEEPSPEC_NO_PROGRESS="1", PEER_CPU_SHIM=str(shim))
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
     proc = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env,peer", "--peer-wheels", str(wheels)],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -353,9 +363,11 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     install = next(ln for ln in (out / "log.txt").read_text().splitlines() if ln.startswith("===== peer-install"))
     assert "speculators-0.0.1" in install and "liger_kernel" not in install, install
     peer = status["peer"]
-    assert peer["status"] == "error" and "--require-peer" in peer["error"] and "speculators.train" in peer["error"], peer
+    assert peer["status"] == "error" and "--require-peer" in peer["error"], peer
     ours = next(r for r in rows if r.get("benchmark") == "train" and r.get("algorithm") == "eagle3")
-    assert ours["tokens_per_s"] > 0 and "speculators.train" in ours["peer_note"], ours
+    # the peer's data was written by its own interpreter and its trainer ran: what stopped it is the stand-in
+    assert ours["tokens_per_s"] > 0 and "stand-in peer trainer: reached" in ours["peer_note"], ours
+    assert "writing the peer's data" not in ours["peer_note"], ours
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
     bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "--smoke", "--rows", "env,ourz"], capture_output=True,
@@ -407,3 +419,17 @@ def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     first = re.search(r"optimizer step 1/100000 done in ([0-9.]+) s", err)
     last = re.findall(r"optimizer step (\d+)/100000", err)
     assert first and len(last) >= 2 and int(last[-1]) > 2, err
+
+
+def test_the_rehearsal_refuses_an_interpreter_that_is_not_the_gpu_machines_python(tmp_path):
+    """benchmarks/gpu_rehearsal.sh builds its venv from Python 3.12 (the GPU image's): anything else is refused with a
+    sentence naming PYTHON312 before a venv or a download is made. (The rehearsal itself needs ~3.6 GB of wheels: it
+    runs by hand before a GPU session, not here.)"""
+    script = str(ROOT / "benchmarks" / "gpu_rehearsal.sh")
+    venv = tmp_path / "venv"
+    env = dict(os.environ, GPU_IMAGE_VENV=str(venv), PYTHON312=sys.executable if sys.version_info[:2] != (3, 12) else "/nonexistent")
+    proc = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "is not a working Python 3.12" in proc.stderr and "PYTHON312" in proc.stderr, proc.stderr
+    assert not venv.exists() and not (tmp_path / "out").exists()
+    usage = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=60)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
