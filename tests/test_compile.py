@@ -25,7 +25,7 @@ from deepspec.drafts.checkpoint import target_weights
 from deepspec.drafts.layers import Attention, RMSNorm
 from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target
-from deepspec.train.compile import compile_draft, compiled_regions, resolve_compile, uncompile_draft
+from deepspec.train.compile import compile_draft, compiled_regions, keeps_bf16_round_trips, resolve_compile, uncompile_draft
 
 RTOL = 1e-5
 
@@ -160,9 +160,14 @@ def test_compiled_norm_rounds_like_eager_in_bf16_and_keeps_only_its_input(offset
     with torch.no_grad():
         norm.weight.add_(torch.randn(64) * 0.3)
     x = torch.randn(2, 9, 64, dtype=torch.bfloat16, requires_grad=True)
-    ref = norm.reference(x)
+    assert torch.equal(norm(x), norm.reference(x))  # the eager norm (_RMSNormFn)
+    if keeps_bf16_round_trips() or offset:
+        ref = norm.reference(x)
+    else:  # torch < 2.13 drops the rounding to bf16 before the weight (deepspec/train/compile.py): that formula instead
+        xf = x.float()
+        ref = (norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps))).to(x.dtype)
+        assert not torch.equal(ref, norm.reference(x))  # the deviation the warning names is real at this shape
     ref_grads = torch.autograd.grad(ref.float().pow(2).sum(), [x, norm.weight])
-    assert torch.equal(norm(x), ref)  # the eager norm (_RMSNormFn)
 
     compile_draft(norm, True)
     saved = []
@@ -269,3 +274,13 @@ def test_train_compile_true_trains_like_eager(recipe, parallel):
     (eager, eager_calls), (compiled, compiled_calls) = runs["false"], runs["true"]
     assert eager_calls == 0 and compiled_calls > 0
     assert len(eager) == 3 and compiled == pytest.approx(eager, rel=RTOL)
+
+
+def test_the_torch_versions_whose_inductor_drops_bf16_round_trips():
+    """2.11 and 2.12 drop a cast to bf16 and back inside compiled regions whatever emulate_precision_casts says (their
+    joint-graph pass; read in their sources), 2.13 keeps it; local version labels (+cpu, +cu130) do not matter."""
+    with pytest.MonkeyPatch.context() as mp:
+        for version, keeps in [("2.11.0+cu130", False), ("2.12.0", False), ("2.13.0+cpu", True), ("2.14.1", True),
+                               ("3.0.0", True)]:
+            mp.setattr(torch, "__version__", version)
+            assert keeps_bf16_round_trips() is keeps, version

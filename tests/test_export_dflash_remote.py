@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,7 +184,8 @@ def test_auto_map_model_matches_ours_and_decodes_losslessly(exports, target, pro
 # --- the published DFlash code, from its side folder ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def published():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "dflash_side.sh")], capture_output=True, text=True)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "dflash_side.sh")], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=sys.executable))  # the folder is per Python: this one's
     if r.returncode != 0 or not r.stdout.strip():
         pytest.skip(f"the dflash package could not be installed by scripts/dflash_side.sh: {r.stderr.strip()[-300:]}")
     path = Path(r.stdout.strip().splitlines()[-1]) / "dflash" / "model.py"
@@ -232,12 +235,10 @@ PINNED_TRANSFORMERS = "5.15.0"  # what dflash 0.1.0 pins (its `local` extra); vL
 def test_published_code_and_ours_under_the_transformers_the_package_pins(exports, target, prompt, tmp_path):
     """The same checks under the transformers release the dflash package pins, in a child interpreter with that release
     first on PYTHONPATH (tests/dflash_probe.py)."""
-    import os
-    import sys
-
     from deepspec.targets import save_tiny_target
 
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "dflash_side.sh"), "--transformers", PINNED_TRANSFORMERS], capture_output=True, text=True)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "dflash_side.sh"), "--transformers", PINNED_TRANSFORMERS], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHON=sys.executable))
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or len(lines) < 2:
         pytest.skip(f"dflash / transformers {PINNED_TRANSFORMERS} could not be installed by scripts/dflash_side.sh: {r.stderr.strip()[-300:]}")

@@ -112,6 +112,20 @@ def test_sglang_source_still_adds_one_to_eagle3_and_dflash_layer_ids(sglang_side
     assert 'eagle_config[\n                "eagle_aux_hidden_state_layer_ids"\n            ]' in runner
 
 
+def test_the_side_folder_is_per_python_and_the_check_finds_it(sglang_side, monkeypatch):
+    """The default side folder carries the Python it was installed for (orjson in it is compiled for one: a folder
+    shared by a 3.11 and a 3.12 interpreter made every SGLang check fail under the other), and `deepspec check` looks
+    for the one scripts/sglang_side.sh made for the running Python."""
+    from deepspec.export.sglang_side import find_side_dir
+
+    tag = f"-py{sys.version_info[0]}{sys.version_info[1]}"
+    assert Path(sglang_side).name.endswith(tag), sglang_side
+    monkeypatch.delenv("DEEPSPEC_SGLANG_SIDE", raising=False)  # another test module may have set it to that folder
+    assert find_side_dir() == Path(sglang_side)
+    monkeypatch.setattr(sys, "version_info", (3, 99, 0))  # another Python: not this folder
+    assert find_side_dir() is None
+
+
 @pytest.mark.parametrize("family, fields, match", [
     ("qwen3", dict(), "q/k RMSNorms"),  # a Qwen3 target's EAGLE-3 draft has Qwen3-style layers by default
     ("llama", dict(norm_before_residual=True), "norm_before_residual"),

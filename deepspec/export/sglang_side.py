@@ -19,11 +19,13 @@ SGLANG_RELEASE = "0.5.23"
 
 
 def find_side_dir() -> Path | None:
-    """The side folder with SGLang's sources: $DEEPSPEC_SGLANG_SIDE, else ~/.cache/deepspec/sglang-<release>
-    (where scripts/sglang_side.sh installs it); None when neither holds a complete install. Never installs."""
+    """The side folder with SGLang's sources: $DEEPSPEC_SGLANG_SIDE, else ~/.cache/deepspec/sglang-<release>-py<3X>
+    (where scripts/sglang_side.sh installs it for this Python: some of its packages are compiled for one); None when
+    neither holds a complete install. Never installs."""
     env = os.environ.get("DEEPSPEC_SGLANG_SIDE")
     cands = [Path(env)] if env else []
-    cands.append(Path.home() / ".cache" / "deepspec" / f"sglang-{os.environ.get('DEEPSPEC_SGLANG_VERSION', SGLANG_RELEASE)}")
+    release = os.environ.get("DEEPSPEC_SGLANG_VERSION", SGLANG_RELEASE)
+    cands.append(Path.home() / ".cache" / "deepspec" / f"sglang-{release}-py{sys.version_info[0]}{sys.version_info[1]}")
     for c in cands:
         if (c / "sglang" / "srt").is_dir() and (c / ".complete").is_file():
             return c

@@ -78,6 +78,15 @@ def _regions() -> dict[type, dict[str, tuple[_DimSpec, ...]]]:
 # engines' rounding in some elements. The extra roundings are arithmetic inside memory-bound kernels.
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
+
+def keeps_bf16_round_trips() -> bool:
+    """Whether this torch's Inductor honours `emulate_precision_casts` for a cast to bf16 and back. Before 2.13 its
+    joint-graph pass `pointless_convert` removes every fp32 -> bf16 -> fp32 chain whatever the option says (read in
+    torch 2.11 and 2.12), so a compiled Llama/Qwen3-style RMSNorm scales the unrounded normalised value: up to one bf16
+    step from HF's and the engines' rounding, in about a quarter of the elements (measured under torch 2.11, CPU)."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 13)
+
 # one torch.compile per class function: every instance shares it (and with it Dynamo's cache of graphs)
 _COMPILED: dict[Callable, Callable] = {}
 
@@ -166,6 +175,11 @@ def compile_draft(model: nn.Module, setting: bool | str = True, device: torch.de
                 count += 1
     log.info("compiled %d draft regions (norms, q/k/v/o projections with RoPE, MLPs, block drafts' loss chunks); the "
              "attention stays eager", count)
+    if not keeps_bf16_round_trips():
+        log.warning("torch %s's Inductor drops the bf16 rounding of the RMSNorms' normalised value inside compiled "
+                    "regions (HF and the serving engines round it): compiled norms differ from eager ones by up to one "
+                    "bf16 step. Harmless for training; torch >= 2.13 rounds as eager does (train.compile=false also "
+                    "does).", torch.__version__)
     return True
 
 
