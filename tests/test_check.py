@@ -189,6 +189,33 @@ def test_export_without_sglang_logs_the_skip_and_writes(tmp_path, monkeypatch, l
     assert "export check skipped for vllm" in logs.text
 
 
+def test_an_sglang_that_does_not_import_here_skips_the_check_and_the_export_is_written(tmp_path, monkeypatch, logs):
+    """SGLang's side folder borrows its dependencies from this environment; where one is missing (no vLLM installed:
+    pybase64, zmq, ...) SGLang's code cannot run at all. That is not a verdict on the export: the check is skipped
+    with the missing module named, and `deepspec export` writes the export with that warning instead of refusing it
+    as diverged. (Stand-in side folder: SGLang's first import needs a module that exists nowhere.)"""
+    from deepspec import cli
+    from deepspec.export.check import check_export
+
+    side = tmp_path / "side"
+    (side / "sglang" / "srt").mkdir(parents=True)
+    (side / "sglang" / "test").mkdir(parents=True)
+    for pkg in ("sglang", "sglang/srt", "sglang/test"):
+        (side / pkg / "__init__.py").write_text("")
+    (side / "sglang" / "test" / "layer_ut_utils.py").write_text("import deepspec_missing_dependency_xyz\n")
+    (side / ".complete").write_text("")
+    monkeypatch.setenv("DEEPSPEC_SGLANG_SIDE", str(side))
+    ckpt = _ckpt(tmp_path / "c", "qwen3", "dflash", num_draft_layers=1, mask_token_id=259)
+    export = export_draft(ckpt, tmp_path / "e", "sglang", dtype="float32")
+    ec = check_export(export, ("sglang",)).engines[0]
+    assert ec.status == "skipped" and "deepspec_missing_dependency_xyz" in ec.reason, (ec.status, ec.reason)
+    assert "does not import in this environment" in ec.reason
+    out = tmp_path / "out"
+    assert cli.main(["export", str(ckpt), "--format", "sglang", "--out", str(out), "--dtype", "float32"]) == 0
+    assert (out / "model.safetensors").is_file()
+    assert "export check skipped for sglang" in logs.text and "deepspec_missing_dependency_xyz" in logs.text
+
+
 def test_the_confidence_tolerance_bounds_the_worst_input_difference_and_no_more():
     """check_reference.confidence_tolerance: sigmoid(w . [h; e] + c) moves by at most 1/4 sum|w_h| max|dh| (+ fp32
     rounding) when the final-norm rows h move by dh. The worst case, dh = d * sign(w_h) at z ~ 0, reaches the bound

@@ -245,14 +245,28 @@ def trace_dflash(export: Path, inp: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_job(path: str) -> None:
+def unavailable(e: ImportError) -> str:
+    """Why SGLang's code cannot run here at all: a module it imports is missing. Not a verdict on the export (the
+    caller skips the check, as it does where vLLM is not installed)."""
+    return (f"SGLang's code does not import in this environment ({type(e).__name__}: {e}). The side folder holds "
+            "SGLang's sources and borrows its other dependencies from this environment, where vLLM's requirements "
+            "provide them: install the missing package to check against SGLang.")
+
+
+def run_job(path: str, missing: str | None = None) -> None:
+    """One job; `missing`: SGLang did not import (every job is then skipped with that reason)."""
     job = json.loads(Path(path).read_text())
     export = Path(job["export"])
+    if missing is not None:
+        torch.save({"skipped": missing}, job["out"])
+        return
     try:
         inp = torch.load(job["inputs"], weights_only=True)
         arch = json.loads((export / "config.json").read_text())["architectures"][0]
         fn = trace_eagle3 if arch == "LlamaForCausalLMEagle3" else trace_dflash
         res = fn(export, inp)
+    except ImportError as e:  # the draft class's module imports something this environment lacks
+        res = {"skipped": unavailable(e)}
     except Exception as e:  # noqa: BLE001 - the caller reports SGLang's failure as the divergence
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     torch.save(res, job["out"])
@@ -263,14 +277,18 @@ def main(side: str, jobs: list[str]) -> None:
     (SGLang's import takes ~20 s on 2 cores: one process serves every check of its parent)."""
     from deepspec.export.sglang_side import import_sglang
 
-    import_sglang(side)
+    missing = None
+    try:
+        import_sglang(side)
+    except ImportError as e:
+        missing = unavailable(e)
     for path in jobs:
-        run_job(path)
+        run_job(path, missing)
     if not jobs:
         print("READY", flush=True)
         for line in sys.stdin:
             if line.strip():
-                run_job(line.strip())
+                run_job(line.strip(), missing)
                 print(f"DONE {line.strip()}", flush=True)
 
 
