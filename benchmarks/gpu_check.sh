@@ -24,9 +24,10 @@
 #              on a CPU `ours` is already eager, so --smoke skips it)
 #   mixed-sdpa DFlash on samples of 512 to 4,096 tokens (16 distinct lengths: users' data, many attention shapes), SDPA
 #   mixed-flex the same with train.attention=flex (one compiled kernel per context bucket; CUDA only: --smoke skips it)
-#   recipe-batch DFlash, then DSpark, with FlexAttention at the Qwen3-8B recipes' batch per GPU: 16 micro-batches of 4
-#              samples packed into rows of 8,192 tokens, so Muon's update is spread over 64 samples as in training (SDPA
-#              with --smoke); each algorithm at most 300 s, DFlash's line written first
+#   recipe-batch DFlash, then DSpark, at the Qwen3-8B recipes' batch per GPU with the recipes' attention (SDPA: what a
+#              user's run gets): 16 micro-batches of 4 samples packed into rows of 8,192 tokens, so Muon's update is
+#              spread over 64 samples as in training; each algorithm at most 240 s, DFlash's line written first
+#   recipe-flex DFlash the same way with train.attention=flex (CUDA only: --smoke skips it)
 # --rows runs only the rows named (comma-separated, e.g. --rows ours,flex to rerun two); the others write a "skipped"
 # line, so rows.jsonl still lists every row in order.
 # Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
@@ -40,7 +41,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
-ALL_ROWS="env tests ours liger-off cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch"
+ALL_ROWS="env tests ours liger-off cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch recipe-flex"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
@@ -88,7 +89,7 @@ if [ "$SMOKE" = 1 ]; then
   V4=(--smoke)
   L_ENV=60; L_TESTS=90; L_OURS=300; L_LIGER=0; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
   MIXED=(--smoke --accum 2 --steps 3 --length-spread 24 --distinct-samples 6)
-  RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); RECIPE_ATT=sdpa; L_RECIPE=150; R_RECIPE=150
+  RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); L_RECIPE=150; R_RECIPE=150; L_RFLEX=0
 else
   BUDGET="${BUDGET:-515}"  # + the last row's kill grace (10 s) and the summary: under 9 minutes
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
@@ -96,7 +97,7 @@ else
   V4=()
   L_ENV=60; L_TESTS=90; L_OURS=400; L_LIGER=120; L_CACHE=130; L_PEER=220; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
-  RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); RECIPE_ATT=flex; L_RECIPE=480; R_RECIPE=300
+  RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); L_RECIPE=400; R_RECIPE=240; L_RFLEX=300
 fi
 START=$SECONDS
 
@@ -200,7 +201,13 @@ else
 fi
 
 row recipe-batch "$L_RECIPE" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash dspark --no-peer \
-  --extra-opts train.attention=$RECIPE_ATT --row-timeout "$R_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+  --extra-opts train.attention=sdpa --row-timeout "$R_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+if [ "$SMOKE" = 1 ]; then
+  skip recipe-flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
+else
+  row recipe-flex "$L_RFLEX" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
+    --extra-opts train.attention=flex --row-timeout "$L_RFLEX" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+fi
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'
 import json, sys

@@ -283,12 +283,12 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer", "v4-memory", "long", "flex", "eager",
-                            "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
+                            "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-flex", "summary"]
     assert rows[-1]["row"] == "summary"
     for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa", "recipe-batch"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
     assert status["peer"]["status"] in ("ok", "skipped")
-    assert all(status[name]["status"] == "skipped" for name in ("liger-off", "flex", "eager", "mixed-flex"))
+    assert all(status[name]["status"] == "skipped" for name in ("liger-off", "flex", "eager", "mixed-flex", "recipe-flex"))
     assert rows[0]["row"] == "env" and "torch" in rows[0] and rows[0]["liger"].startswith("not installed"), rows[0]
     assert "collected" in (out / "log.txt").read_text()
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
@@ -298,6 +298,7 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     packed = [r for r in train if r.get("micro_batch") == 2]  # recipe-batch: DFlash, then DSpark
     assert [r["algorithm"] for r in packed] == ["dflash", "dspark"], packed
     assert all("error" not in r and r["accum"] == 2 and r["tokens_per_s"] > 0 for r in packed), packed
+    assert all(r["attention"] == "sdpa" for r in packed)  # the recipes' attention: what a user's run measures
     for key in [("eagle3", "memory", 64), ("dflash", "memory", 64), ("dspark", "memory", 64), ("dflash", "disk", 64)]:
         r = by[key]
         assert "error" not in r, r
@@ -357,7 +358,7 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
     assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer-install", "peer", "v4-memory", "long",
-                            "flex", "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "summary"]
+                            "flex", "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-flex", "summary"]
     assert status["env"]["status"] == "ok" and status["peer-install"]["status"] == "ok"
     assert rows[0]["row"] == "env" and rows[0]["liger"] == "0.0.1 (not used by EAGLE-3's loss)", rows[0]
     install = next(ln for ln in (out / "log.txt").read_text().splitlines() if ln.startswith("===== peer-install"))
