@@ -100,6 +100,8 @@ else
   RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); L_RECIPE=400; R_RECIPE=240; L_RFLEX=300
 fi
 START=$SECONDS
+ROWS_BEFORE=0  # an OUT_DIR reused (a rerun of some --rows) keeps its lines; the summary reads this run's
+[ -f "$ROWS" ] && ROWS_BEFORE=$(wc -l < "$ROWS")
 
 # row NAME LIMIT [--log FILE] -- COMMAND...: COMMAND under min(LIMIT, what is left of the budget)
 row() {
@@ -209,9 +211,9 @@ else
     --extra-opts train.attention=flex --row-timeout "$L_RFLEX" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 fi
 
-"$PY" - "$ROWS" "$(( SECONDS - START ))" <<'EOF'
+"$PY" - "$ROWS" "$(( SECONDS - START ))" "$ROWS_BEFORE" <<'EOF'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rows = [json.loads(line) for line in open(sys.argv[1]).readlines()[int(sys.argv[3]):] if line.strip()]
 status = {r["row"]: r["status"] for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
 errors = [r for r in rows if r.get("error")]
 summary = {"benchmark": "gpu_check", "row": "summary", "wall_s": float(sys.argv[2]), "status": status,

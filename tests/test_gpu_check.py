@@ -371,6 +371,14 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     assert "writing the peer's data" not in ours["peer_note"], ours
     for name in ("tests", "ours", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
+    # a rerun of one row into the same folder (as on a warm GPU machine) appends; its summary is that run's alone
+    again = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert len(lines) > len(rows) and lines[: len(rows)] == rows
+    summary = lines[-1]["status"]
+    assert "summary" not in summary and summary["env"] == "ok" and summary["peer"] == "skipped", summary
     bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "--smoke", "--rows", "env,ourz"], capture_output=True,
                          text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "unknown row 'ourz'" in bad.stderr and not (tmp_path / "bad").exists()
