@@ -37,7 +37,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q "${PINS[@]}" "${MORE[@]}"
   echo "$WANT" > "$STAMP"
 fi
-"$VENV/bin/python" -c "import torch, transformers, sys; print('[gpu_rehearsal] python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$VENV/bin/python" -c "import torch, transformers, sys
+print('[gpu_rehearsal] python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
 
 WHEELS="$ROOT/.peer-wheels"
 ls "$WHEELS"/speculators-*.whl >/dev/null 2>&1 || bash "$ROOT/benchmarks/peer_setup.sh" --gpu-wheels "$WHEELS"
@@ -54,6 +55,9 @@ rows = [json.loads(line) for line in open(sys.argv[1]).readlines()[int(sys.argv[
 bad = [r for r in rows if r.get("benchmark") == "gpu_check" and r.get("status") in ("error", "timeout")]
 for r in bad:
     print(f"[gpu_rehearsal] row {r['row']}: {r['status']}: {str(r.get('error', r.get('why', '')))[:400]}")
-print(f"[gpu_rehearsal] {len(bad)} row(s) failed under the GPU image's versions" if bad else "[gpu_rehearsal] every row ran under the GPU image's versions")
+if bad:
+    print(f"[gpu_rehearsal] {len(bad)} row(s) failed under the GPU image's versions")
+else:
+    print("[gpu_rehearsal] every row ran under the GPU image's versions")
 sys.exit(1 if bad else 0)
 EOF

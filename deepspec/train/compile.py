@@ -87,6 +87,7 @@ def keeps_bf16_round_trips() -> bool:
     major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return (major, minor) >= (2, 13)
 
+
 # one torch.compile per class function: every instance shares it (and with it Dynamo's cache of graphs)
 _COMPILED: dict[Callable, Callable] = {}
 
