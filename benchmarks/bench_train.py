@@ -136,9 +136,12 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
     cfg = target_config(shape)
     g = torch.Generator().manual_seed(0)
     V, H = cfg.vocab_size, cfg.hidden_size
-    embed = (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)
+    def matrix() -> torch.Tensor:  # in place: at Qwen3-8B's 151,936 x 4,096 each fp32 temporary is 2.5 GB
+        return torch.randn(V, H, generator=g).mul_(0.02).to(torch.bfloat16)
+
+    embed = matrix()
     tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
-    tensors["lm_head.weight"] = embed.clone() if cfg.tie_word_embeddings else (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)
+    tensors["lm_head.weight"] = embed.clone() if cfg.tie_word_embeddings else matrix()
     path.mkdir(parents=True, exist_ok=True)
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(path)
@@ -858,7 +861,10 @@ def main() -> int:
     tconf = target_config(args.shape)
     _, _, recipe_target, draft_vocab = SHAPES[args.shape]
     t0 = time.perf_counter()
+    # progress lines of this process too: a check that kills it during its set-up (the target stub, the samples) then
+    # still shows how far it got in its log
     target = write_verifier_stub(work / f"target-{args.shape}", args.shape)
+    progress(f"target stub ready ({args.shape}: embedding, final norm, LM head)", t0)
     peer_venv = Path(args.peer_venv)
     peer_python = peer_interpreter(args.peer_python, peer_venv)
     peer_why = "--no-peer" if args.no_peer else peer_available(peer_python, args.peer_pythonpath, bool(args.peer_python))
@@ -900,6 +906,7 @@ def main() -> int:
             samples = make_samples(n_samples, seq_len, len(taps), tconf.hidden_size, tconf.vocab_size, seed=seq_len,
                                    min_len=args.length_spread)
             torch.save(samples, samples_path)
+            progress(f"{algorithm}: {n_samples} random samples of up to {seq_len} tokens written", t0)
             recipe = str(REPO / "config" / algorithm / f"{recipe_target}.yaml")
             opts = [
                 f"output_root={work}", f"train.output_root={work / 'ckpt'}", f"exp={algorithm}-{seq_len}",

@@ -113,6 +113,13 @@ row() {
   [ "$left" -lt "$limit" ] && limit="$left"
   "$PY" "$BENCH/_procs.py" --name "$name" --limit "$limit" --jsonl "$ROWS" --log "$log" "$@"
 }
+# cuda_row NAME WHY LIMIT -- COMMAND...: a row whose point exists only on CUDA; --smoke writes a skipped line saying WHY
+cuda_row() {
+  if [ "$SMOKE" = 1 ]; then skip "$1" "$2"; return; fi
+  local name="$1"; shift 2
+  row "$name" "$@"
+}
+NO_FLEX="FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
 selected() { [ -z "$ONLY" ] || case " $ONLY " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 skip() {  # skip NAME WHY
   "$PY" - "$ROWS" "$1" "$2" <<'EOF'
@@ -178,38 +185,23 @@ row v4-memory "$L_V4" -- "$PY" "$BENCH/bench_draft_memory.py" --recipe "$ROOT/co
 row long "$L_LONG" -- "$PY" "$BENCH/bench_train.py" "${LONG[@]}" --accum 1 --steps 3 --algorithms eagle3 --no-peer \
   --extra-opts model.activation_checkpointing=true --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
-if [ "$SMOKE" = 1 ]; then
-  skip flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
-else
-  row flex "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
-    --extra-opts train.attention=flex --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" \
-    --profile-tag flex --jsonl "$ROWS"
-fi
+cuda_row flex "$NO_FLEX" "$L_FLEX" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
+  --extra-opts train.attention=flex --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" \
+  --profile-tag flex --jsonl "$ROWS"
 
-if [ "$SMOKE" = 1 ]; then
-  skip eager "on a CPU train.compile=auto is eager already: the ours rows are the eager rows"
-else
-  row eager "$L_EAGER" -- "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
-    --extra-opts train.compile=false --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-fi
+cuda_row eager "on a CPU train.compile=auto is eager already: the ours rows are the eager rows" "$L_EAGER" -- \
+  "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms dflash dspark --no-peer \
+  --extra-opts train.compile=false --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 row mixed-sdpa "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
   --extra-opts train.attention=sdpa --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-if [ "$SMOKE" = 1 ]; then
-  skip mixed-flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
-else
-  row mixed-flex "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
-    --extra-opts train.attention=flex --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-fi
+cuda_row mixed-flex "$NO_FLEX" "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MIXED[@]}" --algorithms dflash --no-peer \
+  --extra-opts train.attention=flex --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 row recipe-batch "$L_RECIPE" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash dspark --no-peer \
   --extra-opts train.attention=sdpa --row-timeout "$R_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-if [ "$SMOKE" = 1 ]; then
-  skip recipe-flex "FlexAttention trains only on CUDA (train.attention=flex is refused on a CPU)"
-else
-  row recipe-flex "$L_RFLEX" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
-    --extra-opts train.attention=flex --row-timeout "$L_RFLEX" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-fi
+cuda_row recipe-flex "$NO_FLEX" "$L_RFLEX" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
+  --extra-opts train.attention=flex --row-timeout "$L_RFLEX" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" "$ROWS_BEFORE" <<'EOF'
 import json, sys
