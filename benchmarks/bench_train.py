@@ -133,6 +133,10 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
 
     if (path / "model.safetensors").is_file():
         return path
+    # written beside it and renamed into place: a process killed while writing (a check's row past its limit) leaves no
+    # folder a later row would take for a whole stub
+    part = path.with_name(f"{path.name}.part-{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)
     cfg = target_config(shape)
     g = torch.Generator().manual_seed(0)
     V, H = cfg.vocab_size, cfg.hidden_size
@@ -142,13 +146,17 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
     embed = matrix()
     tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
     tensors["lm_head.weight"] = embed.clone() if cfg.tie_word_embeddings else matrix()
-    path.mkdir(parents=True, exist_ok=True)
+    part.mkdir(parents=True)
     cfg.dtype = "bfloat16"
-    cfg.save_pretrained(path)
+    cfg.save_pretrained(part)
     from deepspec.targets.tiny import tiny_tokenizer
 
-    tiny_tokenizer().save_pretrained(path)  # the peer loads a tokenizer from the verifier folder
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    tiny_tokenizer().save_pretrained(part)  # the peer loads a tokenizer from the verifier folder
+    save_file(tensors, str(part / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        part.rename(path)
+    except OSError:  # another process put its stub there first: the same seeded weights
+        shutil.rmtree(part, ignore_errors=True)
     return path
 
 
@@ -807,6 +815,8 @@ def main() -> int:
                    "(its row's peer_note says why): for a check whose point is the side-by-side figure")
     p.add_argument("--peer-timeout", type=int, default=1200)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--stub-dir", default=None, help="where the random target stub is kept (default: the workdir): a folder "
+                   "that outlives one run saves rewriting it (Qwen3-8B's: 2.5 GB, tens of seconds)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--jsonl", default=None, help="append each row here as one JSON line when it is done (flushed)")
     p.add_argument("--row-timeout", type=int, default=3600, help="seconds per row of ours; past it the row's process tree is killed")
@@ -863,7 +873,7 @@ def main() -> int:
     t0 = time.perf_counter()
     # progress lines of this process too: a check that kills it during its set-up (the target stub, the samples) then
     # still shows how far it got in its log
-    target = write_verifier_stub(work / f"target-{args.shape}", args.shape)
+    target = write_verifier_stub(Path(args.stub_dir or work) / f"target-{args.shape}", args.shape)
     progress(f"target stub ready ({args.shape}: embedding, final norm, LM head)", t0)
     peer_venv = Path(args.peer_venv)
     peer_python = peer_interpreter(args.peer_python, peer_venv)

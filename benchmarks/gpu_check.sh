@@ -99,6 +99,11 @@ else
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
   RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); L_RECIPE=400; R_RECIPE=240; L_RFLEX=300
 fi
+# The training rows' random target stub (Qwen3-8B's embedding and LM head: 2.5 GB, tens of seconds to make) is kept
+# where the next gpu_check on this machine finds it (GPU_CHECK_STUBS); the tiny --smoke one goes with the work folder.
+STUBS="$WORK/stubs"
+[ "$SMOKE" = 1 ] || STUBS="${GPU_CHECK_STUBS:-${TMPDIR:-/tmp}/deepspec-gpu-check-stubs}"
+TRAIN+=(--stub-dir "$STUBS"); LONG+=(--stub-dir "$STUBS"); MIXED+=(--stub-dir "$STUBS"); RECIPE+=(--stub-dir "$STUBS")
 START=$SECONDS
 ROWS_BEFORE=0  # an OUT_DIR reused (a rerun of some --rows) keeps its lines; the summary reads this run's
 [ -f "$ROWS" ] && ROWS_BEFORE=$(wc -l < "$ROWS")

@@ -442,3 +442,27 @@ def test_the_rehearsal_refuses_an_interpreter_that_is_not_the_gpu_machines_pytho
     assert not venv.exists() and not (tmp_path / "out").exists()
     usage = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=60)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_the_target_stub_appears_whole_or_not_at_all(monkeypatch, tmp_path):
+    """gpu_check keeps the training rows' target stub across its runs on a machine; a row killed while writing it must
+    not leave a folder that the next row takes for a whole stub (bench_train writes beside it, then renames)."""
+    import safetensors.torch as st
+
+    bench = _bench("bench_train")
+    stub = tmp_path / "stubs" / "target-tiny"
+    real = st.save_file
+
+    def killed(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(st, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench.write_verifier_stub(stub, "tiny")
+    assert not stub.exists()
+    monkeypatch.setattr(st, "save_file", real)
+    assert bench.write_verifier_stub(stub, "tiny") == stub
+    weights = st.load_file(str(stub / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16 and (stub / "config.json").is_file()
+    assert [p.name for p in stub.parent.iterdir()] == ["target-tiny"]  # the killed write's leftovers cleared
