@@ -144,8 +144,6 @@ def state_bytes(draft, cfg, world: int) -> dict[str, float]:
     the gathered bf16 parameters (reshard_after_forward=False keeps them) and fp32 unsharded gradients before the
     reduce-scatter; frozen target tensors (embedding / LM head held in the training dtype, the draft vocabulary's head
     rows, d2t / t2d)."""
-    import torch
-
     from deepspec.train.optim import split_muon_params
 
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)

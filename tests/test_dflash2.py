@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepspec.config.model import ModelConfig
-from deepspec.drafts import DraftBatch, get_algorithm
+from deepspec.drafts import get_algorithm
 from deepspec.drafts.checkpoint import target_weights
 from deepspec.errors import ConfigError
 from deepspec.targets import capture, tiny_target

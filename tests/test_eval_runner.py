@@ -86,7 +86,7 @@ def test_target_override_and_mismatch(tiny_ckpt, datasets_dir, tmp_path, tiny_qw
 
     wide = save_tiny_target(tmp_path / "wide", "llama", hidden_size=96, head_dim=24)
     cfg = _cfg(datasets_dir, tmp_path / "e", f"target.name={wide}", "eval.tasks=[gsm8k]", "eval.max_samples=1")
-    with pytest.raises(CheckpointError, match="hidden size 96") as e:
+    with pytest.raises(CheckpointError, match="hidden size 96"):
         evaluate(cfg, tiny_ckpt)
 
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from deepspec.config.model import ModelConfig
 from deepspec.drafts import get_algorithm

@@ -228,7 +228,7 @@ class _Fake:
         if self.sglang:
             return "# HELP sglang:spec_accept_length x\nsglang:spec_accept_length 2.5\n"
         lines = [f'vllm:spec_decode_num_drafts_total{{engine="0"}} {self.drafts}',
-                 f'vllm:spec_decode_num_drafts_created{{engine="0"}} 1.7e9']
+                 'vllm:spec_decode_num_drafts_created{engine="0"} 1.7e9']
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{k}"}} {v}' for k, v in enumerate(self.per_pos)]
         return "\n".join(lines) + "\n"
 

@@ -3,6 +3,8 @@ against HF output_hidden_states, the tap convention, unsupported architectures, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 

@@ -237,7 +237,7 @@ def model_card(cfg: dict[str, Any], checkpoint: str | Path, n_params: int, engin
         lines += _transformers(cfg, ds, target, name)
     lines += [
         "## Limitations", "",
-        f"- Acceptance depends on what is drafted: the figures above hold for the listed splits at the stated temperature "
+        "- Acceptance depends on what is drafted: the figures above hold for the listed splits at the stated temperature "
         "and answer budget; other prompts, chat templates or sampling settings accept differently.",
         f"- The draft reads the target's hidden states at the taps above and shares its embeddings and LM head: it works "
         f"only with `{target}` (template hash {prov.get('template_hash', NOT_RECORDED)}).",

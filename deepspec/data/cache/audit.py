@@ -135,7 +135,7 @@ def audit_cache(directory: str | Path, *, model=None, cfg=None, records: int = 1
     t0 = time.perf_counter()
     directory = Path(directory)
     ds = CacheDataset(directory)
-    n_taps, taps = len(ds.taps), list(ds.taps)
+    taps = list(ds.taps)
     keys: list[int | None] = [*taps, None]
     chosen, again = pick_records(len(ds), records, recompute)
     stats = {k: {"nonfinite": 0, "zero_rows": 0, "constant_rows": 0, "rows": 0} for k in keys}
