@@ -216,6 +216,41 @@ def test_an_sglang_that_does_not_import_here_skips_the_check_and_the_export_is_w
     assert "export check skipped for sglang" in logs.text and "deepspec_missing_dependency_xyz" in logs.text
 
 
+def test_the_sglang_worker_sees_a_done_that_arrives_with_ready():
+    """SGLang's worker answers READY, then DONE per job; a job that needs no work (a skipped check) answers at once, so
+    both lines can reach the pipe together. One readline() then buffers both, and a select() on the pipe (how the
+    worker used to wait) reports nothing more to read: the DONE sat unseen until the 600 s job timeout (a fresh-clone
+    test run hung on it). MarkedLines reads with a thread and hands each marked line over as it comes."""
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from deepspec.export.check_sglang_runner import MarkedLines
+
+    code = "import sys, time; sys.stdout.write('noise\\nREADY\\nDONE job0\\n'); sys.stdout.flush(); time.sleep(30)"
+
+    def child():
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    old = child()  # the premise: after one readline, select() does not see the buffered lines
+    time.sleep(1.0)
+    assert old.stdout.readline() == "noise\n"
+    assert select.select([old.stdout], [], [], 1.0)[0] == []
+    old.kill()
+    old.wait()
+
+    proc = child()
+    lines = MarkedLines(proc.stdout, ("READY", "DONE"))
+    t0 = time.monotonic()
+    assert lines.next(t0 + 10) == "READY" and lines.next(t0 + 10) == "DONE job0"
+    assert time.monotonic() - t0 < 5
+    assert lines.next(time.monotonic() + 0.2) is None  # nothing more: past the deadline
+    proc.kill()
+    proc.wait()
+    assert lines.next(time.monotonic() + 10) is None  # the child ended
+
+
 def test_the_confidence_tolerance_bounds_the_worst_input_difference_and_no_more():
     """check_reference.confidence_tolerance: sigmoid(w . [h; e] + c) moves by at most 1/4 sum|w_h| max|dh| (+ fp32
     rounding) when the final-norm rows h move by dh. The worst case, dh = d * sign(w_h) at z ~ 0, reaches the bound

@@ -7,15 +7,43 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
 SGLANG_CLASSES = {"eagle3": "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3", "dflash": "sglang.srt.models.dflash.DFlashDraftModel",
                   "dspark": "sglang.srt.models.dspark.Qwen3DSparkModel"}
+
+
+class MarkedLines:
+    """The lines of a child's output that start with one of `marks`, read by a thread. Not select() on the pipe: one
+    readline() pulls every line already written into the stream's buffer (a READY and an instant DONE together), and
+    select() then waits for bytes that have already arrived, out to the job's timeout."""
+
+    def __init__(self, stream, marks: tuple[str, ...]):
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._marks = marks
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            if line.startswith(self._marks):
+                self._queue.put(line.strip())
+        self._queue.put(None)  # the child closed its output: it has ended
+
+    def next(self, deadline: float) -> str | None:
+        """The next marked line; None past `deadline` (time.monotonic()) or once the child has ended."""
+        import time
+
+        try:
+            return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
 
 
 class SglangWorker:
@@ -32,6 +60,7 @@ class SglangWorker:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen([sys.executable, "-m", "deepspec.export.check_sglang", str(side)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.lines = MarkedLines(self.proc.stdout, ("READY", "DONE"))
         atexit.register(self.close)
 
     @classmethod
@@ -44,18 +73,7 @@ class SglangWorker:
         return w
 
     def _line(self, deadline: float) -> str | None:
-        import select
-        import time
-
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return None
-            line = self.proc.stdout.readline()
-            if not line:
-                return None
-            if line.startswith(("READY", "DONE")):
-                return line.strip()
+        return self.lines.next(deadline)
 
     def run(self, job: str, timeout: float) -> str | None:
         """Send one job file; None = the process died or timed out (then the error text is in `failure`)."""
