@@ -140,6 +140,7 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
     cfg = target_config(shape)
     g = torch.Generator().manual_seed(0)
     V, H = cfg.vocab_size, cfg.hidden_size
+
     def matrix() -> torch.Tensor:  # in place: at Qwen3-8B's 151,936 x 4,096 each fp32 temporary is 2.5 GB
         return torch.randn(V, H, generator=g).mul_(0.02).to(torch.bfloat16)
 

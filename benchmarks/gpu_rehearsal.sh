@@ -43,18 +43,18 @@ print('[gpu_rehearsal] python', sys.version.split()[0], 'torch', torch.__version
 WHEELS="$ROOT/.peer-wheels"
 ls "$WHEELS"/speculators-*.whl >/dev/null 2>&1 || bash "$ROOT/benchmarks/peer_setup.sh" --gpu-wheels "$WHEELS"
 
-# gpu_check appends to an OUT_DIR's rows.jsonl: only this run's lines count
-BEFORE=0
-[ -f "$OUT/rows.jsonl" ] && BEFORE=$(wc -l < "$OUT/rows.jsonl")
 # .venv's packages must not leak in: the rows run from the source tree with the image's interpreter alone
 env -u VIRTUAL_ENV PATH="$VENV/bin:$PATH" PYTHON="$VENV/bin/python" \
   bash "$ROOT/benchmarks/gpu_check.sh" "$OUT" --smoke --peer-wheels "$WHEELS" "$@"
-"$VENV/bin/python" - "$OUT/rows.jsonl" "$BEFORE" <<'EOF'
+# gpu_check's last line is this run's summary (an OUT_DIR reused keeps earlier runs' lines above it)
+"$VENV/bin/python" - "$OUT/rows.jsonl" <<'EOF'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]).readlines()[int(sys.argv[2]):] if line.strip()]
-bad = [r for r in rows if r.get("benchmark") == "gpu_check" and r.get("status") in ("error", "timeout")]
-for r in bad:
-    print(f"[gpu_rehearsal] row {r['row']}: {r['status']}: {str(r.get('error', r.get('why', '')))[:400]}")
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+status = rows[-1]["status"]
+lines = {r["row"]: r for r in rows[:-1] if r.get("benchmark") == "gpu_check" and "status" in r}  # each row's latest
+bad = [name for name, st in status.items() if st in ("error", "timeout")]
+for name in bad:
+    print(f"[gpu_rehearsal] row {name}: {status[name]}: {str(lines[name].get('error', ''))[:400]}")
 if bad:
     print(f"[gpu_rehearsal] {len(bad)} row(s) failed under the GPU image's versions")
 else:
