@@ -301,6 +301,7 @@ def _our_row(spec: dict) -> dict:
     import deepspec.train.loop as loop
     from deepspec.config import load_config
     from deepspec.drafts.registry import get_algorithm
+    from deepspec.drafts.plan import resolve_kernel
     from deepspec.train.build import build_parts, load_target_head
     from deepspec.train.dist import init_distributed, teardown
     from deepspec.train.parts import TrainParts
@@ -364,7 +365,7 @@ def _our_row(spec: dict) -> dict:
         out["tokens_per_step"] = per_step[timed[0]][0] if timed else None
         out["accum"], out["micro_batch"], out["global_batch"] = t.global_batch_size // (t.micro_batch_size * info.world), t.micro_batch_size, t.global_batch_size
         out["optimizer"] = t.optimizer
-        out["attention"] = getattr(t, "attention", "sdpa") if cfg.model.algorithm != "eagle3" else "sdpa"
+        out["attention"] = resolve_kernel(t.attention, info.device, t.pack_tokens > 0) if cfg.model.algorithm != "eagle3" else "sdpa"
         out["num_anchors"] = getattr(cfg.model, "num_anchors", None) if cfg.model.algorithm != "eagle3" else None
         if info.device.type == "cuda":
             out["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(info.device) / 2**20, 1)

@@ -187,6 +187,29 @@ def test_gqa_draft_step_counts_every_attention_call(algorithm, fields, one_torch
     assert theirs.get_total_flops() == count.total - attention
 
 
+def test_a_product_with_an_output_dtype_counts_at_its_factors_precision():
+    """Liger's fused loss (EAGLE-3's on CUDA) accumulates its weight gradient with `addmm(acc, a, b,
+    out_dtype=float32, out=acc)`: the `.dtype_out` overload passes the dtype positionally, and torch's formula took it
+    for `out_shape` ("addmm_flop() got multiple values for argument 'out_shape'": the H200 row's MFU was null). It
+    counts 2*M*K*N like a plain addmm, as bf16 work (its factors), though the accumulator is fp32. Run on the meta
+    device: the CPU has no kernel for these overloads."""
+    acc = torch.zeros(8, 4, device="meta")
+    a = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(16, 4, dtype=torch.bfloat16, device="meta")
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # torch 2.11's meta decomposition of it is broken
+        pytest.skip(f"this torch cannot run addmm(out_dtype=...) on meta tensors: {e}")
+    count = count_flops(lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc))
+    assert count.by_op == {"addmm": 2 * 8 * 16 * 4}
+    assert count.by_dtype == {"bf16": 2 * 8 * 16 * 4, "fp32": 0.0}
+    x = torch.empty(3, 8, 16, dtype=torch.bfloat16, device="meta")
+    y = torch.empty(3, 16, 4, dtype=torch.bfloat16, device="meta")
+    assert count_flops(lambda: torch.bmm(x, y, out_dtype=torch.float32)).by_op == {"bmm": 2 * 3 * 8 * 16 * 4}
+    plain = count_flops(lambda: torch.addmm(acc, a.float(), b.float()))  # an fp32 product stays fp32
+    assert plain.by_dtype == {"bf16": 0.0, "fp32": 2 * 8 * 16 * 4}
+
+
 
 
 # ----------------------------------------------------------------------------- a row's profiled step

@@ -251,6 +251,27 @@ def test_flex_and_sdpa_plans_train_alike(algorithm):
     torch.testing.assert_close(losses[1], losses[0], **TOL)
 
 
+def test_auto_attention_is_flex_only_for_packed_rows_on_cuda():
+    """train.attention=auto (the default): FlexAttention where it was measured faster (CUDA, packed rows of one
+    length), the chunked SDPA calls elsewhere; an explicit choice is kept; the loader's planner takes only a resolved
+    kernel, so a run that forgot to resolve `auto` fails instead of training on a kernel nobody chose."""
+    from deepspec.config.train import TrainConfig
+    from deepspec.drafts.plan import resolve_kernel
+    from deepspec.errors import ConfigError
+    from deepspec.train.loader import step_planner
+
+    assert TrainConfig().attention == "auto"
+    assert resolve_kernel("auto", "cuda", packed=True) == "flex"
+    assert resolve_kernel("auto", torch.device("cuda", 0), packed=True) == "flex"
+    assert resolve_kernel("auto", "cuda", packed=False) == "sdpa"
+    assert resolve_kernel("auto", "cpu", packed=True) == "sdpa"
+    assert resolve_kernel("flex", "cpu", packed=False) == "flex" and resolve_kernel("sdpa", "cuda", packed=True) == "sdpa"
+    with pytest.raises(ValueError, match="resolved kernel"):
+        step_planner(object(), lambda s, m: 0, False, "auto")
+    with pytest.raises(ConfigError, match="auto, sdpa or flex"):
+        TrainConfig(attention="fast").validate()
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_bucketed_and_exact_plans_train_alike(algorithm):
     """The same anchors through bucketed and exact attention calls: the same loss, metrics and gradients (fp32)."""

@@ -59,8 +59,10 @@ class TrainConfig:
     compile: bool | Literal["auto"] = "auto"
     # Block drafts' attention kernel: `sdpa` = a few chunked SDPA calls per layer (deepspec/drafts/attention.py),
     # `flex` = one FlexAttention call per layer with a block mask built once per step (deepspec/drafts/flex.py; compiled
-    # on CUDA, an unfused reference on the CPU). EAGLE-3's chain always runs on SDPA.
-    attention: Literal["sdpa", "flex"] = "sdpa"
+    # on CUDA, an unfused reference on the CPU). `auto`: flex on CUDA when samples are packed (pack_tokens > 0: every
+    # row the same length, one compiled kernel), sdpa otherwise (deepspec/drafts/plan.py resolve_kernel). EAGLE-3's
+    # chain always runs on SDPA.
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).
     # null: 2 where loading overlaps something (a GPU's compute, a streamed spool's producers), else 0 (inline on a
     # CPU, where the thread only takes cores from training: deepspec/train/loader.py resolve_depth).
@@ -106,8 +108,8 @@ class TrainConfig:
                                   f"got {getattr(self, key)}.")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ConfigError(f"train.prefetch_depth must be >= 0 or null (auto), got {self.prefetch_depth}.")
-        if self.attention not in ("sdpa", "flex"):
-            raise ConfigError(f"train.attention must be sdpa or flex (the block drafts' attention kernel), got {self.attention!r}.")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise ConfigError(f"train.attention must be auto, sdpa or flex (the block drafts' attention kernel), got {self.attention!r}.")
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError(f"train.compile must be true, false or auto (compiled on CUDA, eager on the CPU), got {self.compile!r}.")
         if self.max_steps is not None and self.max_steps < 1:

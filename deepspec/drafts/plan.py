@@ -41,6 +41,17 @@ def use_buckets(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def resolve_kernel(setting: str, device: torch.device | str, packed: bool) -> str:
+    """The block drafts' attention kernel for `train.attention` on `device`. `auto` takes FlexAttention where it was
+    measured faster: on CUDA with packed rows, whose one length compiles one kernel (one H200, Qwen3-8B shape, the
+    recipes' 16 x 4 samples packed in 8,192-token rows: DFlash 49.8k tokens/s against 37.2k with chunked SDPA,
+    benchmarks/results/2026-11-28-h200-8f1fde3). Unpacked rows of varying length would compile a kernel per context
+    bucket, unmeasured so far: they, and the CPU (no FlexAttention backward there), keep the chunked SDPA calls."""
+    if setting != "auto":
+        return setting
+    return "flex" if packed and torch.device(device).type == "cuda" else "sdpa"
+
+
 def sample_ranges(segment_ids: torch.Tensor | None, batch: int, length: int) -> list[Range]:
     """Contiguous samples of each row from `segment_ids` [B, T] (-1 = padding, skipped); None = one per row.
 

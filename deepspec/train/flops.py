@@ -119,6 +119,23 @@ def _first_float_dtype(values) -> torch.dtype | None:
     return None
 
 
+# ops whose first tensor is the accumulator added to the product, not one of its factors
+_ACCUMULATING = ("addmm", "baddbmm", "addbmm", "addmv")
+
+
+def _product_dtype(name: str, args) -> torch.dtype | None:
+    """The dtype a matrix product computes in: its factors', not its accumulator's. Liger's fused loss accumulates a
+    bf16 product into an fp32 weight gradient (`addmm(..., out_dtype=float32)`); that product runs at the bf16 peak."""
+    return _first_float_dtype(args[1:] if name in _ACCUMULATING else args)
+
+
+def _formula_flops(formula: Callable, args, kwargs: dict, out) -> float:
+    """torch's formula for one op. The `.dtype` overloads (`addmm.dtype_out`, `bmm.dtype`, ...) pass their output
+    dtype positionally, which torch's formulas (2.11 to 2.13) take for their `out_shape` argument and raise
+    ("got multiple values for argument 'out_shape'"): a dtype carries no FLOPs, so it is left out."""
+    return float(formula(*(a for a in args if not isinstance(a, torch.dtype)), **kwargs, out_val=out))
+
+
 class FlopCounter:
     """`with FlopCounter() as c: ...` counts the FLOPs of the ops run inside into `c.count` (a FlopCount)."""
 
@@ -154,7 +171,7 @@ class FlopCounter:
                     return out
                 formula = flop_registry.get(packet)
                 if formula is not None:
-                    count.add(name, float(formula(*args, **kwargs, out_val=out)), _first_float_dtype(args))
+                    count.add(name, _formula_flops(formula, args, kwargs, out), _product_dtype(name, args))
                 return out
 
         self._mode = Mode()

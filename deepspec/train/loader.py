@@ -123,7 +123,9 @@ def step_planner(model: Any, seed_of: Callable[[int, int], int], buckets: bool, 
     """The loader's planner for `model` (None when the draft makes no plans): each micro-batch gets its step plan from
     the CPU batch, keyed by `seed_of(step, m)` — the micro-batch's seed, so its random choices (anchors) are the same on
     any worker count and after a resume, and never touch torch's generator from the loader thread. kernel: the block
-    drafts' attention (train.attention)."""
+    drafts' attention kernel, resolved (deepspec/drafts/plan.py resolve_kernel): "sdpa" or "flex"."""
+    if kernel not in ("sdpa", "flex"):
+        raise ValueError(f"step_planner takes a resolved kernel (sdpa or flex), got {kernel!r}")
     make = getattr(model, "plan_batch", None)
     if make is None:
         return None

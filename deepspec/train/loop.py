@@ -49,7 +49,7 @@ from deepspec.train.compile import compile_draft
 from deepspec.train.guard import NonFiniteGuard
 from deepspec.preemption import PreemptionWatch, WaitPreempted
 from deepspec.train.precision import resolve_precision, setup_precision
-from deepspec.drafts.plan import use_buckets
+from deepspec.drafts.plan import resolve_kernel, use_buckets
 from deepspec.train.loader import build_loader, resolve_depth, resolve_processes, step_planner
 from deepspec.train.staging import DeviceStager
 from deepspec.train.validate import best_metric, run_validation
@@ -184,7 +184,7 @@ def _train(cfg, info: DistInfo, parts: TrainParts | None) -> Path:
     depth = resolve_depth(tcfg.prefetch_depth, info.device, parts.train_data)
     # each batch's host facts (samples, anchors, chunk plans) made by the loader: the step reads nothing back
     planner = step_planner(model, lambda s, m: _step_seed(tcfg.seed, s, m * info.world + info.rank), use_buckets(info.device),
-                           tcfg.attention)
+                           resolve_kernel(tcfg.attention, info.device, tcfg.pack_tokens > 0))
     loader = build_loader(parts.train_data, collate, schedule, depth=depth, processes=processes,
                           pin=info.device.type == "cuda", packed=tcfg.pack_tokens > 0, plan=planner)
     staged = DeviceStager(loader, info.device, dtype)  # features cross in the cache dtype, converted to the training dtype there
