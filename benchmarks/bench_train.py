@@ -42,7 +42,10 @@ whole result as one JSON object on the last line. A row is one (algorithm, seq_l
                      torch.profiler's table of the step (profile_<algorithm>_<reader>_<seq_len>.txt)
   peer_tokens_per_s  the peer on the same data, same machine, same run, first step left out (its own per-step timer);
                      null with `peer_note` under --no-peer, without the peer venv, for algorithms it is not run for, with
-                     --accum / --micro-batch above 1, or on failure
+                     --accum / --micro-batch above 1, or on failure. `peer_steady_tokens_per_s` its median step's rate,
+                     `peer_step_s` its step times; `ours_over_peer` compares the means, `ours_over_peer_steady` the
+                     medians (one slow step - ours compiles its loss region a second time in its first step without
+                     metrics - moves the first, not the second)
   reader             `memory` (samples held in memory) or `disk` (--from-cache: an on-disk cache of the shape's taps,
                      width and dtype, written with deepspec.data.cache.format and read through the trainer's own data
                      path: open_cache, the cache reader and the training loader)
@@ -769,11 +772,19 @@ def _peer_row(python: Path, pythonpath: str | None, target: Path, data: Path, ou
     steps = _peer_steps(log)
     if len(steps) < 2:
         raise RuntimeError(f"the peer logged {len(steps)} step profiles (see {out.name}.log)")
+    return {**_peer_rates(steps), "peer_wall_s": round(wall, 1), "peer_loss": "eager" if device == "cpu" else spec.get("loss", "eager")}
+
+
+def _peer_rates(steps: list[tuple[float, float]]) -> dict:
+    """The peer's rates measured as ours are: its first step left out, the mean over the rest (`peer_tokens_per_s`,
+    beside our `tokens_per_s`) and the median step's (`peer_steady_tokens_per_s`, beside our `steady_tokens_per_s`),
+    so that one slow step on either side is seen as such rather than read as a difference of speed."""
     steady = steps[1:]
     tokens = sum(tok for tok, _ in steady)
     seconds = sum(ms for _, ms in steady) / 1000
-    return {"peer_tokens_per_s": round(tokens / seconds, 1), "peer_measured_steps": len(steady), "peer_wall_s": round(wall, 1),
-            "peer_loss": "eager" if device == "cpu" else spec.get("loss", "eager")}
+    return {"peer_tokens_per_s": round(tokens / seconds, 1), "peer_measured_steps": len(steady),
+            "peer_steady_tokens_per_s": round(statistics.median(tok / ms * 1000 for tok, ms in steady), 1),
+            "peer_step_s": [round(ms / 1000, 3) for _, ms in steady]}
 
 
 def _peer_steps(log: str) -> list[tuple[float, float]]:
@@ -996,6 +1007,8 @@ def main() -> int:
                                          time_left(args.peer_timeout)))
                     if row.get("tokens_per_s") and row.get("peer_tokens_per_s"):
                         row["ours_over_peer"] = round(row["tokens_per_s"] / row["peer_tokens_per_s"], 3)
+                    if row.get("steady_tokens_per_s") and row.get("peer_steady_tokens_per_s"):
+                        row["ours_over_peer_steady"] = round(row["steady_tokens_per_s"] / row["peer_steady_tokens_per_s"], 3)
                 except Exception as e:
                     row["peer_note"] = f"peer run failed: {type(e).__name__}: {e}"[-2000:]
                     peer_missing.append(row["peer_note"])

@@ -24,10 +24,12 @@
 #              on a CPU `ours` is already eager, so --smoke skips it)
 #   mixed-sdpa DFlash on samples of 512 to 4,096 tokens (16 distinct lengths: users' data, many attention shapes), SDPA
 #   mixed-flex the same with train.attention=flex (one compiled kernel per context bucket; CUDA only: --smoke skips it)
-#   recipe-batch DFlash, then DSpark, at the Qwen3-8B recipes' batch per GPU with the recipes' attention (SDPA: what a
-#              user's run gets): 16 micro-batches of 4 samples packed into rows of 8,192 tokens, so Muon's update is
-#              spread over 64 samples as in training; each algorithm at most 240 s, DFlash's line written first
-#   recipe-flex DFlash the same way with train.attention=flex (CUDA only: --smoke skips it)
+#   recipe-batch DFlash, then DSpark, at the Qwen3-8B recipes' batch per GPU with the default attention (what a user's
+#              run gets: train.attention=auto, FlexAttention on CUDA for these packed rows, SDPA on a CPU): 16
+#              micro-batches of 4 samples packed into rows of 8,192 tokens, so Muon's update is spread over 64 samples
+#              as in training; each algorithm at most 240 s, DFlash's line written first
+#   recipe-sdpa DFlash the same way with train.attention=sdpa, the chunked calls (CUDA only: on a CPU recipe-batch
+#              runs them already, so --smoke skips it)
 # --rows runs only the rows named (comma-separated, e.g. --rows ours,flex to rerun two); the others write a "skipped"
 # line, so rows.jsonl still lists every row in order.
 # Every row runs in a process group of its own (benchmarks/_procs.py): past its limit its whole process tree is killed,
@@ -41,7 +43,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--smoke] [--peer-wheels DIR] [--budget-s SECONDS] [--rows NAME,NAME...]" >&2; exit 2; }
-ALL_ROWS="env tests ours liger-off cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch recipe-flex"
+ALL_ROWS="env tests ours liger-off cache peer v4-memory long flex eager mixed-sdpa mixed-flex recipe-batch recipe-sdpa"
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 case "$OUT" in -*) usage ;; esac
@@ -89,7 +91,7 @@ if [ "$SMOKE" = 1 ]; then
   V4=(--smoke)
   L_ENV=60; L_TESTS=90; L_OURS=300; L_LIGER=0; L_CACHE=150; L_PEER=150; L_V4=120; L_LONG=150; L_FLEX=0; L_EAGER=0; L_MIXED=150
   MIXED=(--smoke --accum 2 --steps 3 --length-spread 24 --distinct-samples 6)
-  RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); L_RECIPE=150; R_RECIPE=150; L_RFLEX=0
+  RECIPE=(--smoke --accum 2 --micro-batch 2 --steps 3); L_RECIPE=150; R_RECIPE=150; L_RSDPA=0
 else
   BUDGET="${BUDGET:-515}"  # + the last row's kill grace (10 s) and the summary: under 9 minutes
   TRAIN=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5); LONG=(--shape qwen3-8b --seq-len 32768); ROW_S=150
@@ -97,7 +99,7 @@ else
   V4=()
   L_ENV=60; L_TESTS=90; L_OURS=400; L_LIGER=120; L_CACHE=130; L_PEER=220; L_V4=120; L_LONG=120; L_FLEX=300; L_EAGER=150; L_MIXED=200
   MIXED=(--shape qwen3-8b --seq-len 4096 --accum 8 --steps 5 --length-spread 512 --distinct-samples 16)
-  RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); L_RECIPE=400; R_RECIPE=240; L_RFLEX=300
+  RECIPE=(--shape qwen3-8b --seq-len 4096 --accum 16 --micro-batch 4 --steps 4); L_RECIPE=400; R_RECIPE=240; L_RSDPA=300
 fi
 # The training rows' random target stub (Qwen3-8B's embedding and LM head: 2.5 GB, tens of seconds to make) is kept
 # where the next gpu_check on this machine finds it (GPU_CHECK_STUBS); the tiny --smoke one goes with the work folder.
@@ -204,9 +206,10 @@ cuda_row mixed-flex "$NO_FLEX" "$L_MIXED" -- "$PY" "$BENCH/bench_train.py" "${MI
   --extra-opts train.attention=flex --row-timeout "$L_MIXED" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 row recipe-batch "$L_RECIPE" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash dspark --no-peer \
-  --extra-opts train.attention=sdpa --row-timeout "$R_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
-cuda_row recipe-flex "$NO_FLEX" "$L_RFLEX" -- "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
-  --extra-opts train.attention=flex --row-timeout "$L_RFLEX" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+  --row-timeout "$R_RECIPE" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
+cuda_row recipe-sdpa "on a CPU recipe-batch runs the chunked SDPA calls already (train.attention=auto)" "$L_RSDPA" -- \
+  "$PY" "$BENCH/bench_train.py" "${RECIPE[@]}" --algorithms dflash --no-peer \
+  --extra-opts train.attention=sdpa --row-timeout "$L_RSDPA" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 
 "$PY" - "$ROWS" "$(( SECONDS - START ))" "$ROWS_BEFORE" <<'EOF'
 import json, sys

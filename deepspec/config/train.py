@@ -59,8 +59,8 @@ class TrainConfig:
     compile: bool | Literal["auto"] = "auto"
     # Block drafts' attention kernel: `sdpa` = a few chunked SDPA calls per layer (deepspec/drafts/attention.py),
     # `flex` = one FlexAttention call per layer with a block mask built once per step (deepspec/drafts/flex.py; compiled
-    # on CUDA, an unfused reference on the CPU). `auto`: flex on CUDA when samples are packed (pack_tokens > 0: every
-    # row the same length, one compiled kernel), sdpa otherwise (deepspec/drafts/plan.py resolve_kernel). EAGLE-3's
+    # on CUDA, an unfused reference on the CPU). `auto`: flex on CUDA when samples are packed (pack_tokens > 0: rows
+    # near one length, so few context buckets to compile), sdpa otherwise (deepspec/drafts/plan.py resolve_kernel). EAGLE-3's
     # chain always runs on SDPA.
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     # Micro-batches read + collated ahead by a background thread while the current one trains (0 = inline).

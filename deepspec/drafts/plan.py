@@ -43,10 +43,11 @@ def use_buckets(device: torch.device | str) -> bool:
 
 def resolve_kernel(setting: str, device: torch.device | str, packed: bool) -> str:
     """The block drafts' attention kernel for `train.attention` on `device`. `auto` takes FlexAttention where it was
-    measured faster: on CUDA with packed rows, whose one length compiles one kernel (one H200, Qwen3-8B shape, the
-    recipes' 16 x 4 samples packed in 8,192-token rows: DFlash 49.8k tokens/s against 37.2k with chunked SDPA,
-    benchmarks/results/2026-11-28-h200-8f1fde3). Unpacked rows of varying length would compile a kernel per context
-    bucket, unmeasured so far: they, and the CPU (no FlexAttention backward there), keep the chunked SDPA calls."""
+    measured faster: on CUDA with packed rows (one H200, Qwen3-8B shape, the recipes' 16 x 4 samples packed in
+    8,192-token rows: DFlash 49.8k tokens/s against 37.2k with chunked SDPA, benchmarks/results/2026-11-28-h200-8f1fde3).
+    Packed rows are all near pack_tokens long, so their context lengths fall in one or two buckets, each compiled once.
+    Unpacked samples of varying length would compile a kernel for each of many buckets, not yet measured: they, and the
+    CPU (no FlexAttention backward there), keep the chunked SDPA calls."""
     if setting != "auto":
         return setting
     return "flex" if packed and torch.device(device).type == "cuda" else "sdpa"
