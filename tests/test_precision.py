@@ -316,11 +316,51 @@ def _eager_kl(h, head, target):
     return (torch.xlogy(q, q) - q * logp).sum()
 
 
-def test_liger_wrapper_reproduces_the_eager_soft_ce_value_and_gradients(monkeypatch):
+def _eager_contract(h, head, target, shift_labels, reduction, ignore_index, has_label, temperature, eps, accum_dtype):
+    """Liger's `fused_linear_kl_div_forward` as deepspec/drafts/liger.py calls it, eagerly: (loss, dL/dh, dL/dhead)."""
+    assert (shift_labels, reduction, has_label, temperature, accum_dtype) == (None, "sum", False, 1.0, torch.float32)
+    with torch.enable_grad():
+        hh, ww = h.detach().requires_grad_(), head.detach().requires_grad_()
+        loss = _eager_kl(hh, ww, target)
+        gh, gw = torch.autograd.grad(loss, (hh, ww))
+    return loss.detach(), gh.to(h.dtype), gw.to(head.dtype)
+
+
+def test_liger_function_scales_its_gradients_on_the_device(monkeypatch):
+    """deepspec's autograd Function around Liger's fused forward: the gradients it computed in the forward, times
+    whatever scales the loss on the way back (EAGLE-3's step decay), equal autograd's through the eager contract; and
+    its backward reads nothing on the host - run on the meta device, where any such read raises (Liger's own backward
+    asks `grad_output != 1` as a Python bool: two host syncs per call on the GPU)."""
+    from deepspec.drafts import liger
+
+    monkeypatch.setattr(liger, "_contract_forward", _eager_contract)
+    g = torch.Generator().manual_seed(1)
+    h0, head0, q = torch.randn(9, 8, generator=g), torch.randn(12, 8, generator=g), torch.rand(9, 12, generator=g)
+    grads = []
+    for kl in (_eager_kl, liger.FusedLinearKL.apply):
+        h, head = h0.clone().requires_grad_(), head0.clone().requires_grad_()
+        (kl(h, head, q) * 0.8 + 1.5).backward()
+        grads.append((h.grad, head.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    h = torch.empty(9, 8, device="meta", requires_grad=True)
+    head = torch.empty(12, 8, device="meta", requires_grad=True)
+    (liger.FusedLinearKL.apply(h, head, torch.empty(9, 12, device="meta")) * 0.8).backward()
+    assert h.grad.shape == (9, 8) and head.grad.shape == (12, 8)
+
+
+@pytest.mark.parametrize("stand_in", ["function", "forward"])
+def test_liger_wrapper_reproduces_the_eager_soft_ce_value_and_gradients(monkeypatch, stand_in):
     """Per-row weights folded into the target rows (zero rows = ignored) and the entropy term added back: the fused path
-    returns the eager loss value and gradients. Stands in for the CUDA kernel on CPU."""
+    returns the eager loss value and gradients. Stands in for the CUDA kernel on CPU: the whole fused function, or
+    only Liger's forward under deepspec's autograd Function."""
     from deepspec.drafts import liger
     from deepspec.drafts.losses import soft_ce
+
+    fused_kl = _eager_kl
+    if stand_in == "forward":
+        monkeypatch.setattr(liger, "_contract_forward", _eager_contract)
+        fused_kl = liger.FusedLinearKL.apply
 
     g = torch.Generator().manual_seed(0)
     h0, head0 = torch.randn(37, 16, generator=g), torch.randn(24, 16, generator=g)
@@ -329,7 +369,7 @@ def test_liger_wrapper_reproduces_the_eager_soft_ce_value_and_gradients(monkeypa
     out = {}
     for fused in (False, True):
         if fused:
-            monkeypatch.setattr(liger, "fused_linear_kl", _eager_kl)
+            monkeypatch.setattr(liger, "fused_linear_kl", fused_kl)
             monkeypatch.setattr(liger, "available", lambda x: True)
         h, head = h0.clone().requires_grad_(), head0.clone().requires_grad_()
         total, ce, *_ = soft_ce(h, head, weights, teacher, rows, chunk=8, label_temperature=0.7, loss_only=True)

@@ -6,7 +6,7 @@ Triton pass over each chunk's logits instead of a dozen fp32 tensor passes. Its 
 distribution as a tensor, so EAGLE-3's teacher stays computed once per micro-batch (`teacher_logits`); its fused
 linear JSD would multiply the teacher's head again at every TTT step, so it is not used.
 
-Contract relied on (liger-kernel 0.8.5, `LigerFusedLinearKLDivFunction`, reduction "sum", no labels): it returns
+Contract relied on (liger-kernel 0.8.5, `fused_linear_kl_div_forward`, reduction "sum", no labels): it returns
 sum_r sum_v q_rv (log max(q_rv, eps) - log softmax(x_r W^T)_v), and its gradient with respect to the logits is
 softmax(x_r W^T) * sum_v q_rv - q_r. A target row scaled by w_r therefore gives w_r times the CE gradient, and a zero
 row contributes nothing — per-row weights without a host sync. `soft_ce` turns the value back into
@@ -24,18 +24,45 @@ from typing import Callable
 import torch
 
 try:  # Triton kernels: a CUDA build of torch with triton; absent on CPU machines
-    from liger_kernel.ops import LigerFusedLinearKLDivFunction as _LigerKL
+    from liger_kernel.ops.fused_linear_kl_div import fused_linear_kl_div_forward as _liger_forward
 except Exception:  # noqa: BLE001 - ImportError, or triton failing to initialise without a GPU
-    _LigerKL = None
+    _liger_forward = None
+
+
+def _contract_forward(h, head, target, shift_labels, reduction, ignore_index, has_label, temperature, eps, accum_dtype):
+    """Liger's `fused_linear_kl_div_forward`, as 0.8.5 (constraints.txt) calls it: (loss, dL/dh, dL/dhead), the
+    gradients computed in the forward. A module attribute so tests can stand in an eager version on a CPU."""
+    return _liger_forward(h, head, target, shift_labels, reduction, ignore_index, has_label, temperature, eps, accum_dtype)
+
+
+class FusedLinearKL(torch.autograd.Function):
+    """Liger's fused forward with a backward that reads nothing on the host. Liger's own Function asks
+    `grad_output != 1` as a Python bool in its backward (after building the 1.0 on the device from the host): two
+    host syncs per call — 112 of EAGLE-3's 116 per optimizer step on an H200 (8 micro-batches x 7 TTT steps), its
+    backward holding the host for 0.5 s of a 1.35 s step (benchmarks/results/2026-11-28-h200-8f1fde3). Here the
+    saved gradients are scaled on the device whatever grad_output is (a multiply by 1.0 costs less than a drain)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, h: torch.Tensor, head: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # reduction "sum", no labels, temperature 1, eps far below any target entry, fp32 weight-gradient accumulator
+        loss, grad_h, grad_head = _contract_forward(h, head, target.contiguous(), None, "sum", -100, False, 1.0, 1e-30,
+                                                    torch.float32)
+        ctx.save_for_backward(grad_h.detach(), grad_head.detach() if grad_head is not None else None)
+        return loss
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_h, grad_head = ctx.saved_tensors  # scaled out of place: a second backward (retain_graph) stays right
+        return grad_h * grad_output.to(grad_h.dtype), None if grad_head is None else grad_head * grad_output.to(grad_head.dtype), None
+
 
 # The fused linear KL in use: (h [N, H], head [V, H], target [N, V]) -> sum_r KL(target_r || softmax(h_r head^T)),
 # gradients for h and head. A module attribute so tests can stand in for the CUDA kernel.
 fused_linear_kl: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-if _LigerKL is not None:
-
-    def fused_linear_kl(h: torch.Tensor, head: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: F811
-        # (h, head, target, shift_labels, reduction, ignore_index, temperature, eps, accum_dtype): fp32 weight gradient
-        return _LigerKL.apply(h, head, target, None, "sum", -100, 1.0, 1e-30, torch.float32)
+if _liger_forward is not None:
+    fused_linear_kl = FusedLinearKL.apply
 
 
 def available(x: torch.Tensor) -> bool:
