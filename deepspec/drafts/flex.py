@@ -78,7 +78,7 @@ def flex_block_attention(q, kb, vb, kc, vc, anchors, ctx_start, keep, key_valid,
     b_n, h, q_n, d = q.shape
     if q.device.type != "cuda" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, kb, vb, kc, vc)):
         raise ConfigError("train.attention=flex trains only on CUDA (PyTorch's FlexAttention has no backward on a CPU); "
-                          "use train.attention=sdpa here.")
+                          "use train.attention=sdpa or auto here.")
     a_n = anchors.shape[1]
     block = q_n // a_n
     bounds = bounds if bounds is not None else BlockBounds.of(anchors, ctx_start, keep, kc.shape[2])
