@@ -381,13 +381,20 @@ def test_liger_wrapper_reproduces_the_eager_soft_ce_value_and_gradients(monkeypa
     assert out[True][3] is None and out[False][3] is not None  # per-row outputs only from the eager path
 
 
-def test_eagle3_unlogged_steps_through_the_fused_kernel_train_as_the_eager_path(monkeypatch):
-    from deepspec.drafts import liger
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-row", "two-rows"])
+def test_eagle3_unlogged_steps_through_the_fused_kernel_train_as_the_eager_path(monkeypatch, rows):
+    """Unlogged EAGLE-3 steps through the fused path train as the eager one; the label distribution the fused path
+    reads is made once per micro-batch (`teacher_dist`), not once per TTT step (one row: its steps read slices of
+    the table; two rows: gathered rows)."""
+    from deepspec.drafts import liger, losses
 
     draft = _draft(draft_vocab_size=40, ttt_length=3)
     draft.train_metrics = False
-    batch = _batch(2, 64)
+    batch = _batch(rows, 64)
     res = {}
+    per_step = []  # the per-step fallback inside the fused path: never taken when EAGLE-3 passes its table
+    made = losses.teacher_dist
+    monkeypatch.setattr(losses, "teacher_dist", lambda *a, **k: per_step.append(1) or made(*a, **k))
     for fused in (False, True):
         if fused:
             monkeypatch.setattr(liger, "fused_linear_kl", _eager_kl)
@@ -399,6 +406,33 @@ def test_eagle3_unlogged_steps_through_the_fused_kernel_train_as_the_eager_path(
     torch.testing.assert_close(res[True][0], res[False][0])
     torch.testing.assert_close(res[True][1], res[False][1])
     assert "step_loss@1" in res[False][2] and "step_loss@1" not in res[True][2]
+    assert per_step == []
+
+
+def test_the_once_per_micro_batch_label_table_is_what_each_step_computed(monkeypatch):
+    """The fused path fed the micro-batch's TeacherDist (read at shifted rows, or a slice) gives bit for bit the loss
+    and gradients it gave computing the distribution from the teacher's logits at every call."""
+    from deepspec.drafts import liger
+    from deepspec.drafts.losses import soft_ce, teacher_dist
+
+    monkeypatch.setattr(liger, "fused_linear_kl", _eager_kl)
+    monkeypatch.setattr(liger, "available", lambda x: True)
+    g = torch.Generator().manual_seed(2)
+    h0, head0 = torch.randn(37, 16, generator=g), torch.randn(24, 16, generator=g)
+    teacher = (torch.randn(50, 24, generator=g) * 3).bfloat16()
+    weights = torch.rand(37, generator=g) * (torch.rand(37, generator=g) > 0.3)
+    table = teacher_dist(teacher, 12.0, 0.7, chunk=7)
+    for rows, dist in ((torch.arange(37) + 5, table), (None, table[5:42])):
+        out = []
+        for d in (None, dist):
+            h, head = h0.clone().requires_grad_(), head0.clone().requires_grad_()
+            sub = teacher if rows is not None else teacher[5:42]
+            total, *_ = soft_ce(h, head, weights, sub, rows, chunk=8, label_temperature=0.7, target_softcap=12.0,
+                                loss_only=True, dist=d)
+            total.backward()
+            out.append((total.detach(), h.grad, head.grad))
+        for a, b in zip(*out):
+            assert torch.equal(a, b)
 
 
 def test_liger_is_optional_and_off_the_cpu():

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.drafts import liger
 from deepspec.drafts.attention import chain_attention, sample_ranges
 from deepspec.drafts.plan import StepPlan
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
-from deepspec.drafts.losses import gemm_dtype, soft_ce, teacher_logits
+from deepspec.drafts.losses import gemm_dtype, soft_ce, teacher_dist, teacher_logits
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import sample_token
 from deepspec.errors import ConfigError
@@ -323,6 +324,9 @@ class Eagle3Draft(TargetBackedDraft):
         row_base = torch.arange(b, device=dev)[:, None] * t
         # unlogged steps that feed the data's tokens read only the loss (Liger's fused kernel on CUDA, losses.py)
         loss_only = not with_metrics and not (self.training and cfg.ttt_inputs == "draft")
+        # ...whose label distribution every step reads again: made once here (fp32 [B*T, Dv])
+        dist = (teacher_dist(teacher.logits, cap, cfg.label_temperature, chunk)
+                if loss_only and not cap and liger.available(fh) else None)
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}
@@ -360,6 +364,7 @@ class Eagle3Draft(TargetBackedDraft):
                 draft_tids=draft_tids,
                 head_gemm=head_gemm,
                 loss_only=loss_only,
+                dist=None if dist is None else dist[1 + k : 1 + k + m] if b == 1 else dist,
             )
             total = total + ce_w
             if hidden_w > 0 and m > 0:

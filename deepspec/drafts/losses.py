@@ -77,6 +77,36 @@ def teacher_logits(
     return TeacherLabels(out, lse, top)
 
 
+@dataclass
+class TeacherDist:
+    """The teacher's label distribution softmax(softcap(logits) / T) [M, Dv] and each row's entropy [M], fp32.
+
+    What Liger's fused path (`loss_only` on CUDA) reads at every TTT step: made once per micro-batch
+    (`teacher_dist`) instead of once per step — EAGLE-3's 7 steps read the same rows shifted, and the softmax,
+    exponent and entropy passes over [rows, Dv] were ~7x repeated work. Bit for bit what the per-step computation gave
+    (the same row-wise ops, tests/test_precision.py)."""
+
+    probs: torch.Tensor
+    entropy: torch.Tensor
+
+    def __getitem__(self, rows: slice) -> "TeacherDist":
+        return TeacherDist(self.probs[rows], self.entropy[rows])
+
+
+@torch.no_grad()
+def teacher_dist(logits: torch.Tensor, cap: float | None, temperature: float, chunk: int) -> TeacherDist:
+    """TeacherDist of the teacher's raw draft-vocabulary logits (TeacherLabels.logits), built in row chunks."""
+    n, c = logits.shape[0], max(1, int(chunk))
+    probs = logits.new_empty(logits.shape, dtype=torch.float32)
+    entropy = logits.new_empty(n, dtype=torch.float32)
+    for i in range(0, n, c):
+        logp = torch.log_softmax(softcap(logits[i : i + c].float(), cap) / temperature, dim=-1)
+        p = logp.exp()
+        probs[i : i + c] = p
+        entropy[i : i + c] = -(p * logp).sum(-1)
+    return TeacherDist(probs, entropy)
+
+
 class _SoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, head, weights, teacher, rows, opts):
@@ -159,6 +189,7 @@ def soft_ce(
     draft_tids: torch.Tensor | None = None,
     head_gemm: torch.Tensor | None = None,
     loss_only: bool = False,
+    dist: TeacherDist | None = None,
 ):
     """Row-chunked soft CE with the head fused (see the module docstring); gradients flow to h and head.
 
@@ -171,16 +202,17 @@ def soft_ce(
     alpha [N] = sum_v min(p_draft, p_target) and the top-1 match [N]; else None, None).
 
     loss_only: the caller reads only the weighted sum; on CUDA with Liger (and no draft softcap, which its kernel lacks)
-    the per-row outputs are then None."""
+    the per-row outputs are then None. dist: `teacher_dist(teacher, target_softcap, label_temperature, chunk)`, made
+    once by a caller that calls with the same teacher again (read at `rows` like the teacher; only that path reads it)."""
     if loss_only and lse_full is None and not draft_softcap and liger.available(h):
         return _soft_ce_liger(h, head, weights.detach(), teacher.detach(), rows, max(1, int(chunk)), label_temperature,
-                              target_softcap, head_gemm), None, None, None, None
+                              target_softcap, head_gemm, dist), None, None, None, None
     opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad,
             head.requires_grad, head_gemm)
     return _SoftCE.apply(h, head, weights.detach(), teacher.detach(), rows, opts)
 
 
-def _soft_ce_liger(h, head, weights, teacher, rows, chunk, temp, cap_t, head_gemm) -> torch.Tensor:
+def _soft_ce_liger(h, head, weights, teacher, rows, chunk, temp, cap_t, head_gemm, dist=None) -> torch.Tensor:
     """sum_r w_r CE_r through Liger's fused linear KL (see deepspec/drafts/liger.py for the contract): the target rows
     are w_r * p_r in the GEMM dtype, built chunk by chunk in fp32; the value gets back sum_r w_r H(p_r) - w_r log w_r,
     which KL leaves out, so it equals the eager loss (the gradient needs no correction)."""
@@ -191,10 +223,14 @@ def _soft_ce_liger(h, head, weights, teacher, rows, chunk, temp, cap_t, head_gem
     const = torch.zeros((), dtype=torch.float32, device=h.device)
     with torch.no_grad():
         for i in range(0, n, chunk):
-            sub = teacher[i : i + chunk] if rows is None else teacher.index_select(0, rows[i : i + chunk])
-            logp = torch.log_softmax(softcap(sub.float(), cap_t) / temp, dim=-1)
-            p = logp.exp()
             w = weights[i : i + chunk].float()
-            const += (w * -(p * logp).sum(-1)).sum() - torch.xlogy(w, w).sum()
+            if dist is not None:  # the caller's once-per-micro-batch table
+                p = dist.probs[i : i + chunk] if rows is None else dist.probs.index_select(0, rows[i : i + chunk])
+                ent = dist.entropy[i : i + chunk] if rows is None else dist.entropy.index_select(0, rows[i : i + chunk])
+            else:
+                d = teacher_dist(teacher[i : i + chunk] if rows is None else teacher.index_select(0, rows[i : i + chunk]),
+                                 cap_t, temp, chunk)
+                p, ent = d.probs, d.entropy
+            const += (w * ent).sum() - torch.xlogy(w, w).sum()
             target[i : i + chunk] = p * w[:, None]
     return liger.fused_linear_kl(h.to(dt), hw, target).float() + const
