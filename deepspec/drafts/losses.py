@@ -232,5 +232,5 @@ def _soft_ce_liger(h, head, weights, teacher, rows, chunk, temp, cap_t, head_gem
                                  cap_t, temp, chunk)
                 p, ent = d.probs, d.entropy
             const += (w * ent).sum() - torch.xlogy(w, w).sum()
-            target[i : i + chunk] = p * w[:, None]
+            torch.mul(p, w[:, None], out=target[i : i + chunk])  # rounded to the GEMM dtype as stored: no fp32 copy
     return liger.fused_linear_kl(h.to(dt), hw, target).float() + const
