@@ -447,10 +447,11 @@ def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     import time
 
     # a stand-in Liger-Kernel on PYTHONPATH (gpu_check.sh installs the real one there): the row's process must see it
-    fake = tmp_path / "site" / "liger_kernel"
+    fake = tmp_path / "site" / "liger_kernel" / "ops"
     fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
-    (fake / "ops.py").write_text("class LigerFusedLinearKLDivFunction:\n    pass\n")
+    (fake / "fused_linear_kl_div.py").write_text("def fused_linear_kl_div_forward(*args):\n    raise NotImplementedError\n")
     env = dict(os.environ, BENCH_TIME_LIMIT_S="35", DEEPSPEC_NO_PROGRESS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(x for x in [os.environ.get("PYTHONPATH", ""), str(tmp_path / "site")] if x))
     t0 = time.perf_counter()
