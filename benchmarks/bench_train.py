@@ -127,6 +127,19 @@ def target_config(shape: str):
     return tiny_config(family, **overrides)
 
 
+def _pid_alive(pid: str) -> bool:
+    """Whether a process of this id runs here (a name that is no id counts as alive: left alone)."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_verifier_stub(path: Path, shape: str) -> Path:
     """config.json + model.safetensors with only the embedding, final norm and LM head (random, bf16): all a draft
     trainer reads from its target (ours: deepspec.train.build.load_target_head; the peer: its load_model_layers),
@@ -139,7 +152,9 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
     # written beside it and renamed into place: a process killed while writing (a check's row past its limit) leaves no
     # folder a later row would take for a whole stub
     part = path.with_name(f"{path.name}.part-{os.getpid()}")
-    shutil.rmtree(part, ignore_errors=True)
+    for old in [part, *path.parent.glob(f"{path.name}.part-*")]:  # ours, and those of killed rows (2.5 GB each)
+        if old == part or not _pid_alive(old.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(old, ignore_errors=True)
     cfg = target_config(shape)
     g = torch.Generator().manual_seed(0)
     V, H = cfg.vocab_size, cfg.hidden_size
