@@ -55,7 +55,9 @@ class FusedLinearKL(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_output: torch.Tensor):
         grad_h, grad_head = ctx.saved_tensors  # scaled out of place: a second backward (retain_graph) stays right
-        return grad_h * grad_output.to(grad_h.dtype), None if grad_head is None else grad_head * grad_output.to(grad_head.dtype), None
+        if grad_head is not None:
+            grad_head = grad_head * grad_output.to(grad_head.dtype)
+        return grad_h * grad_output.to(grad_h.dtype), grad_head, None
 
 
 # The fused linear KL in use: (h [N, H], head [V, H], target [N, V]) -> sum_r KL(target_r || softmax(h_r head^T)),
