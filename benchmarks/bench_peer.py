@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,9 @@ def main() -> int:
     p.add_argument("--max-samples", type=int, default=64)
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=None, help="answer budget (default: the recipe's eval.max_new_tokens)")
+    p.add_argument("--peer-epochs", type=int, default=None,
+                   help="the peer's epochs (default: the whole number nearest our training time); a bracket around the "
+                        "budget when no whole number of epochs matches it (its time is in peer_detail.train_s)")
     p.add_argument("--peer-venv", default=os.environ.get("PEER_VENV", str(ROOT / ".peer-venv")))
     p.add_argument("--peer-dir", default=os.environ.get("PEER_DIR", str(ROOT.parent / "shared" / "peers")),
                    help="folder with speculators_cpu.py and cpu_hidden_states_connector.py")
@@ -227,18 +231,20 @@ def compare(args) -> int:
 
     # 3. the peer trains for the same time
     # whole epochs (its schedule decays over the planned epochs), the count nearest the budget; the run is still capped
-    epochs = max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))
+    epochs = args.peer_epochs or max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))
     save = work / "peer_ckpt"
+    shutil.rmtree(save, ignore_errors=True)  # a checkpoint of an earlier run is never taken for this one's
     cmd = [str(peer_bin / "python"), str(peer_dir / "speculators_cpu.py"), "--speculator-type", "eagle3",
            "--verifier-name-or-path", target_path, "--data-path", str(data_dir),
            "--target-layer-ids", *map(str, PEER_AUX_IDS), "--draft-vocab-size", str(cfg.model.draft_vocab_size or 8192),
            "--no-norm-before-fc", "--fc-norm", "--norm-output", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
            "--num-workers", "0", "--total-seq-len", str(max(2048, cfg.cache.max_length)), "--lr", "3e-3",
            "--epochs", str(epochs), "--save-path", str(save)]
-    code, peer_train_s = run_peer(cmd, log, timeout=1.25 * budget_s + 60)
+    limit = 1.25 * budget_s * (epochs / max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))) + 60
+    code, peer_train_s = run_peer(cmd, log, timeout=limit)
     done = sorted((d for d in save.glob("*") if (d / "config.json").is_file()), key=lambda d: d.stat().st_mtime)
     if not done:
-        return _fail(f"the peer saved no checkpoint within {1.25 * budget_s + 60:.0f} s (exit {code}); see {log}")
+        return _fail(f"the peer saved no checkpoint within {limit:.0f} s (exit {code}); see {log}")
     peer_ckpt = done[-1]
 
     # 4. both drafts served by vLLM on the same held-out prompts
