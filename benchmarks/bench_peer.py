@@ -221,6 +221,8 @@ def compare(args) -> int:
             "seconds": round(time.monotonic() - t_all, 1)}))
         return 0
     data_dir = work / "data"
+    # this run's own: the peer's prepare-data refuses to overwrite a folder holding an earlier run's hidden states
+    shutil.rmtree(data_dir, ignore_errors=True)
     code, _ = run_peer([str(peer_bin / "speculators"), "prepare-data", "--model", target_path, "--data", str(work / "peer_input.jsonl"),
                         "--output", str(data_dir), "--token-freq-path", str(data_dir / "token_freq.pt"), "--no-skip-token-freq",
                         "--seq-length", str(cfg.cache.max_length), "--overwrite"], log)
