@@ -44,6 +44,14 @@ PEER_AUX_IDS = [1, 14, 27]  # vLLM ids (id k = the input of layer k) of the peer
 PEER_TOKENS_PER_S = 550.0
 
 
+def peer_epochs(budget_s: float, tokens: int, requested: int | None = None) -> tuple[int, float]:
+    """(the peer's epochs, its time limit in s): `requested`, else the whole number of epochs nearest our training time
+    at PEER_TOKENS_PER_S; the limit is 1.25x the time those epochs should take at that rate's sizing, plus a minute."""
+    sized = max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))
+    epochs = requested or sized
+    return epochs, 1.25 * budget_s * epochs / sized + 60
+
+
 def _fail(msg: str) -> int:
     print(json.dumps({"error": msg}))
     return 2
@@ -215,7 +223,7 @@ def compare(args) -> int:
             "smoke": True, "not_run": "the peer (speculators prepare-data, its hidden states through vLLM, its training) and "
                                       "vLLM serving both drafts (ours, peer)",
             "budget_s": round(budget_s, 1), "peer_input_rows": len(rows), "peer_input_tokens": tokens,
-            "peer_epochs_for_budget": max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S))),
+            "peer_epochs_for_budget": peer_epochs(budget_s, tokens, args.peer_epochs)[0],
             "prompts": {"split": args.split, "file": str(prompts_path), "samples": len(held), "max_tokens": max_tokens},
             "ours_export_files": sorted(f.name for f in Path(ours_export).iterdir()), "checkpoint": str(rec.checkpoint),
             "seconds": round(time.monotonic() - t_all, 1)}))
@@ -233,7 +241,7 @@ def compare(args) -> int:
 
     # 3. the peer trains for the same time
     # whole epochs (its schedule decays over the planned epochs), the count nearest the budget; the run is still capped
-    epochs = args.peer_epochs or max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))
+    epochs, limit = peer_epochs(budget_s, tokens, args.peer_epochs)
     save = work / "peer_ckpt"
     shutil.rmtree(save, ignore_errors=True)  # a checkpoint of an earlier run is never taken for this one's
     cmd = [str(peer_bin / "python"), str(peer_dir / "speculators_cpu.py"), "--speculator-type", "eagle3",
@@ -242,7 +250,6 @@ def compare(args) -> int:
            "--no-norm-before-fc", "--fc-norm", "--norm-output", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
            "--num-workers", "0", "--total-seq-len", str(max(2048, cfg.cache.max_length)), "--lr", "3e-3",
            "--epochs", str(epochs), "--save-path", str(save)]
-    limit = 1.25 * budget_s * (epochs / max(1, round(budget_s / (tokens / PEER_TOKENS_PER_S)))) + 60
     code, peer_train_s = run_peer(cmd, log, timeout=limit)
     done = sorted((d for d in save.glob("*") if (d / "config.json").is_file()), key=lambda d: d.stat().st_mtime)
     if not done:

@@ -235,3 +235,19 @@ def test_run_all_fresh_interpreters_collect_the_same(smokes, tmp_path):
     fresh = _result(json.loads(out.read_text())["benchmarks"], "plan")
     check_plan(fresh)
     assert set(fresh) == set(_result(smokes, "plan"))
+
+
+def test_the_peer_gets_the_whole_epochs_nearest_our_time_or_those_asked_for():
+    """bench_peer's peer trains whole epochs (its schedule decays over them): the number nearest our training time at
+    its sizing rate, or --peer-epochs N to bracket the budget when none matches (2026-11-28: an epoch took 0.72x our
+    time); its time limit grows with the epochs asked for."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_peer", ROOT / "benchmarks" / "bench_peer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    per_epoch = 110_758 / bench.PEER_TOKENS_PER_S  # ~201 s at the sizing rate
+    assert bench.peer_epochs(208.5, 110_758) == (1, pytest.approx(1.25 * 208.5 + 60))
+    assert bench.peer_epochs(2.6 * per_epoch, 110_758)[0] == 3
+    epochs, limit = bench.peer_epochs(208.5, 110_758, requested=2)
+    assert epochs == 2 and limit == pytest.approx(1.25 * 208.5 * 2 + 60)
