@@ -72,9 +72,6 @@ class SglangWorker:
             cls.current = w = cls(side)
         return w
 
-    def _line(self, deadline: float) -> str | None:
-        return self.lines.next(deadline)
-
     def run(self, job: str, timeout: float) -> str | None:
         """Send one job file; None = the process died or timed out (then the error text is in `failure`)."""
         import time
@@ -86,7 +83,7 @@ class SglangWorker:
             return None
         deadline = time.monotonic() + timeout
         while True:
-            line = self._line(deadline)
+            line = self.lines.next(deadline)
             if line is None or line == f"DONE {job}":
                 return line
 
