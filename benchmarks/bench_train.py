@@ -127,19 +127,6 @@ def target_config(shape: str):
     return tiny_config(family, **overrides)
 
 
-def _pid_alive(pid: str) -> bool:
-    """Whether a process of this id runs here (a name that is no id counts as alive: left alone)."""
-    if not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def write_verifier_stub(path: Path, shape: str) -> Path:
     """config.json + model.safetensors with only the embedding, final norm and LM head (random, bf16): all a draft
     trainer reads from its target (ours: deepspec.train.build.load_target_head; the peer: its load_model_layers),
@@ -151,9 +138,12 @@ def write_verifier_stub(path: Path, shape: str) -> Path:
         return path
     # written beside it and renamed into place: a process killed while writing (a check's row past its limit) leaves no
     # folder a later row would take for a whole stub
+    from deepspec.locks import pid_alive
+
     part = path.with_name(f"{path.name}.part-{os.getpid()}")
     for old in [part, *path.parent.glob(f"{path.name}.part-*")]:  # ours, and those of killed rows (2.5 GB each)
-        if old == part or not _pid_alive(old.name.rsplit("-", 1)[-1]):
+        pid = old.name.rsplit("-", 1)[-1]  # a name that is no process id is left alone
+        if old == part or (pid.isdigit() and not pid_alive(int(pid))):
             shutil.rmtree(old, ignore_errors=True)
     cfg = target_config(shape)
     g = torch.Generator().manual_seed(0)

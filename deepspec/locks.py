@@ -82,7 +82,8 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this machine (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -192,7 +193,7 @@ class FolderLock:
                         _describe(holder, beat=False), f"{age:.1f} s" if age is not None else "of unknown age", STALE_ENV,
                         stale, self.path)
         elif holder:
-            if holder.get("pid") != os.getpid() and _pid_alive(int(holder.get("pid", -1))) \
+            if holder.get("pid") != os.getpid() and pid_alive(int(holder.get("pid", -1))) \
                     and holder.get("pid_start") == _pid_start(int(holder["pid"])):
                 raise FolderInUseError(self._in_use_message(holder))  # flock succeeded anyway: trust the pid check
             log.warning("%s: taking over the lock of %s, which is no longer running (%s)", self.folder, _describe(holder), self.path)
