@@ -21,13 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspec.drafts import liger
 from deepspec.drafts.attention import chain_attention, sample_ranges
 from deepspec.drafts.plan import StepPlan
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
 from deepspec.drafts.layers import DecoderLayer, DraftArch, RotaryEmbedding, attend, causal_mask, softcap
-from deepspec.drafts.losses import gemm_dtype, soft_ce, teacher_dist, teacher_logits
+from deepspec.drafts.losses import gemm_dtype, soft_ce, takes_fused_path, teacher_dist, teacher_logits
 from deepspec.drafts.registry import register
 from deepspec.drafts.vocab import sample_token
 from deepspec.errors import ConfigError
@@ -325,8 +324,7 @@ class Eagle3Draft(TargetBackedDraft):
         # unlogged steps that feed the data's tokens read only the loss (Liger's fused kernel on CUDA, losses.py)
         loss_only = not with_metrics and not (self.training and cfg.ttt_inputs == "draft")
         # ...whose label distribution every step reads again: made once here (fp32 [B*T, Dv])
-        dist = (teacher_dist(teacher.logits, cap, cfg.label_temperature, chunk)
-                if loss_only and not cap and liger.available(fh) else None)
+        dist = teacher_dist(teacher.logits, cap, cfg.label_temperature, chunk) if takes_fused_path(fh, loss_only, cap) else None
         alphas, tops, valids = [], [], []
         total = torch.zeros((), device=dev)
         metrics: Metrics = {}

@@ -173,6 +173,13 @@ class _SoftCE(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
+def takes_fused_path(h: torch.Tensor, loss_only: bool, draft_softcap: float | None,
+                     lse_full: torch.Tensor | None = None) -> bool:
+    """Whether `soft_ce` hands these rows to Liger's fused kernel: only the loss is read, no metrics' normaliser, no
+    draft softcap (the kernel has none), Liger available for h. A caller that prepares for that path asks this."""
+    return loss_only and lse_full is None and not draft_softcap and liger.available(h)
+
+
 def soft_ce(
     h: torch.Tensor,
     head: torch.Tensor,
@@ -204,7 +211,7 @@ def soft_ce(
     loss_only: the caller reads only the weighted sum; on CUDA with Liger (and no draft softcap, which its kernel lacks)
     the per-row outputs are then None. dist: `teacher_dist(teacher, target_softcap, label_temperature, chunk)`, made
     once by a caller that calls with the same teacher again (read at `rows` like the teacher; only that path reads it)."""
-    if loss_only and lse_full is None and not draft_softcap and liger.available(h):
+    if takes_fused_path(h, loss_only, draft_softcap, lse_full):
         return _soft_ce_liger(h, head, weights.detach(), teacher.detach(), rows, max(1, int(chunk)), label_temperature,
                               target_softcap, head_gemm, dist), None, None, None, None
     opts = (max(1, int(chunk)), label_temperature, draft_softcap, target_softcap, lse_full, target_top, draft_tids, h.requires_grad,
