@@ -59,6 +59,46 @@ def test_chain_attention_equals_dense_reference(packed, window, step):
         torch.testing.assert_close(a, r, **TOL)
 
 
+@pytest.fixture(scope="module")
+def compiled_chain():
+    """One compiled ChainParts for the module's tests (its graphs shared: k = 1 specialised, later steps dynamic)."""
+    from deepspec.drafts.attention import ChainParts
+    from deepspec.train.compile import compile_draft
+
+    parts = ChainParts()
+    assert compile_draft(parts, True)
+    return parts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("step", [1, 3, 6])
+def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, step):
+    """train.compile's ChainParts (the diagonal's products as fused fp32 reductions, the merge): the dense reference's
+    values and gradients on packed rows, with the window biting from step 4 on."""
+    from deepspec.train.compile import compiled_regions
+
+    assert {r.name for r in compiled_regions(compiled_chain)} == {"diagonal", "merge"}
+    torch.manual_seed(step)
+    b, h, hk, t, d = 2, 6, 2, 29, 8
+    q = torch.randn(b, h, t, d, requires_grad=True)
+    k0 = torch.randn(b, hk, t, d, requires_grad=True)
+    v0 = torch.randn(b, hk, t, d, requires_grad=True)
+    diag = [(torch.randn(b, hk, t, d, requires_grad=True), torch.randn(b, hk, t, d, requires_grad=True)) for _ in range(step)]
+    seg = torch.tensor([[0] * 9 + [1] * 14 + [2] * 3 + [-1] * 3, [0] * 20 + [1] * 9])
+    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, parts=compiled_chain)
+    ref = dense_chain_reference(q, k0, v0, diag, seg, window)
+    real = (seg >= 0)[:, None, :, None].float()
+    torch.testing.assert_close(out * real, ref * real, **TOL)
+    inputs = [q, k0, v0] + [x for kv in diag for x in kv]
+    torch.manual_seed(99)
+    g_new = _grads(out, inputs, real)
+    torch.manual_seed(99)
+    g_ref = _grads(ref, inputs, real)
+    for a, r in zip(g_new, g_ref):
+        torch.testing.assert_close(a, r, **TOL)
+
+
 def test_window_bites_in_the_chain():
     torch.manual_seed(0)
     q, k0, v0 = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)

@@ -12,8 +12,8 @@ appended (a copy of (keys + rows) x d per chunk), and one additive mask showing 
 own block: one softmax over both, in the kernel, as the engine computes it. With activation checkpointing on, a
 chunk's mask and kernel output are rebuilt in backward (`recompute`), so a layer keeps no mask at all.
 
-The TTT chain: the small part (the diagonal, k keys per row) is computed eagerly in fp32; the large part (the causal
-keys) is one SDPA call per sample or per chunk of queries, and the two are merged *inside* that call, exactly: SDPA
+The TTT chain: the small part (the diagonal, k keys per row) is computed in fp32 (`ChainParts`: a compiled region
+under `train.compile`); the large part (the causal keys) is one SDPA call per sample or per chunk of queries, and the two are merged *inside* that call, exactly: SDPA
 returns no log-sum-exp to merge with afterwards, so a sentinel key whose score is the small part's log-sum-exp, and
 whose value marks an extra output channel, joins the call; the kernel's fp32 softmax then gives the large part its
 exact normalisation and the small part its share Z_small / (Z_large + Z_small), and out = large + share * small
@@ -49,6 +49,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
@@ -138,12 +139,6 @@ def _extend(k: torch.Tensor, v: torch.Tensor, sentinel_first: bool) -> tuple[tor
         kx[:, :, 0, d : d + 3] = 1.0
         vx[:, :, 0, d] = 1.0
     return kx, vx
-
-
-def _merge(out: torch.Tensor, small: torch.Tensor, d: int) -> torch.Tensor:
-    """A sentinel call's output [..., d + _EXTRA] + its share (channel d) of the small part's output, in fp32."""
-    merged = _acc(out[..., :d]) + _acc(out[..., d : d + 1]) * small
-    return merged.to(out.dtype)
 
 
 class _Keys:
@@ -280,23 +275,50 @@ def _has_fp32_precision() -> bool:
         return False
 
 
-def _diagonal(q: torch.Tensor, diag: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window: int | None):
-    """Each row's attention over its own chain keys, in fp32 (bf16 inputs upcast exactly): (lse [B, h, T], out
-    [B, h, T, d]). Scores rounded to bf16 would put the merge off by ~|score| * 2^-9 in log space."""
-    step = len(diag)
-    b_n, h, t, d = q.shape
-    hk = diag[0][0].shape[1]
-    with no_autocast(q.device.type), _ieee_fp32(q):
-        kd = _acc(torch.stack([x[0] for x in diag], dim=3))  # [B, hk, T, k, d]
-        vd = _acc(torch.stack([x[1] for x in diag], dim=3))
+class ChainParts(nn.Module):
+    """The TTT chain's elementwise work around its causal SDPA call: the diagonal (each row's own chain keys, in fp32)
+    and the merge of the call's output with it. Eagerly that is ~20 kernels forward and ~40 backward per layer and TTT
+    step over [B, heads, T, head_dim] tensors (fp32 upcasts, exp, products, slice gradients) - a quarter of an
+    EAGLE-3 step's launches. A module without parameters so that `train.compile` makes each method a compiled region
+    (deepspec/train/compile.py) of a few fused kernels; EAGLE-3 owns one (`Eagle3Draft.chain`), and `chain_attention`
+    without one runs the same methods eagerly. The lse channels (`_lse_channels`) stay eager: their bf16 round trips
+    are what some torch versions' Inductor removes."""
+
+    def diagonal(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
+                 window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, h, T, d] over each row's own chain keys kd / vd [B, hk, T, k, d] (steps 1..k) in fp32 (bf16 inputs
+        upcast exactly; the caller turns autocast and TF32 off): (lse [B, h, T], out [B, h, T, d]). Scores rounded to
+        bf16 would put the merge off by ~|score| * 2^-9 in log space."""
+        b_n, h, t, d = q.shape
+        hk, step = kd.shape[1], kd.shape[3]
         qg = _acc(q).reshape(b_n, hk, h // hk, t, d)
-        scores = torch.einsum("bhgtd,bhtjd->bhgtj", qg, kd) * scale
+        kd, vd = _acc(kd), _acc(vd)
+        # compiled: products and sums over d (scores) and over k (out) as broadcasts that Inductor fuses into fp32
+        # reductions reading q once, where the einsums' batched [g, d] x [d, k] products run cuBLAS's fp32 SIMT
+        # kernels; eagerly the broadcasts would materialise k copies of q, so eager keeps the einsums
+        fused = torch.compiler.is_compiling()
+        if fused:
+            scores = (qg.unsqueeze(-2) * kd.unsqueeze(2)).sum(-1) * scale
+        else:
+            scores = torch.einsum("bhgtd,bhtjd->bhgtj", qg, kd) * scale
         if window is not None and step >= window:
             j = torch.arange(1, step + 1, device=q.device)
             scores = scores.masked_fill((step - j >= window).view(1, 1, 1, 1, -1), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [B, hk, g, T]
-        out = torch.einsum("bhgtj,bhtjd->bhgtd", torch.exp(scores - lse.unsqueeze(-1)), vd)
-    return lse.reshape(b_n, h, t), out.reshape(b_n, h, t, d)
+        p = torch.exp(scores - lse.unsqueeze(-1))
+        if fused:
+            out = (p.unsqueeze(-1) * vd.unsqueeze(2)).sum(-2)
+        else:
+            out = torch.einsum("bhgtj,bhtjd->bhgtd", p, vd)
+        return lse.reshape(b_n, h, t), out.reshape(b_n, h, t, d)
+
+    def merge(self, out: torch.Tensor, small: torch.Tensor, d: int) -> torch.Tensor:
+        """A sentinel call's output [..., d + _EXTRA] + its share (channel d) of the small part's output, in fp32."""
+        merged = _acc(out[..., :d]) + _acc(out[..., d : d + 1]) * small
+        return merged.to(out.dtype)
+
+
+_EAGER_PARTS = ChainParts()
 
 
 def chain_attention(
@@ -307,20 +329,25 @@ def chain_attention(
     ranges: list[Range],
     window: int | None = None,
     buckets: bool = False,
+    parts: ChainParts | None = None,
 ) -> torch.Tensor:
     """TTT step k = len(diag) attention. q [B,h,T,d] (row r at position r+k); k0/v0 [B,hk,T,d] step-0 keys
     (row s at position s); diag: (k_j, v_j) [B,hk,T,d] of steps j = 1..k for each row itself (position r+j).
-    ranges: the batch's samples (deepspec.drafts.plan.sample_ranges); buckets: causal calls padded to bucket lengths.
-    Returns [B, h, T, d]."""
+    ranges: the batch's samples (deepspec.drafts.plan.sample_ranges); buckets: causal calls padded to bucket lengths;
+    parts: the draft's ChainParts (compiled regions under train.compile), else eager ones. Returns [B, h, T, d]."""
     step = len(diag)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     if step == 0:
         return _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, 0, False, buckets), ranges, [q, k0, v0], d)
-    lse_d, out_d = _diagonal(q, diag, scale, window)
+    parts = parts if parts is not None else _EAGER_PARTS
+    kd = torch.stack([x[0] for x in diag], dim=3)  # [B, hk, T, k, d]
+    vd = torch.stack([x[1] for x in diag], dim=3)
+    with no_autocast(q.device.type), _ieee_fp32(q):
+        lse_d, out_d = parts.diagonal(q, kd, vd, scale, window)
     qx = _with_lse(q, lse_d, scale)
     out = _over_ranges(lambda a, b, c: _causal_range(a, b, c, scale, window, step, True, buckets), ranges, [qx, k0, v0], d + _EXTRA)
-    return _merge(out, out_d, d)
+    return parts.merge(out, out_d, d)
 
 
 # --- block drafts ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspec.drafts.attention import chain_attention, sample_ranges
+from deepspec.drafts.attention import ChainParts, chain_attention, sample_ranges
 from deepspec.drafts.plan import StepPlan
 from deepspec.drafts.base import LOSS_WEIGHT, DraftBatch, Metrics, Proposer
 from deepspec.drafts.common import TargetBackedDraft
@@ -47,6 +47,7 @@ class Eagle3Draft(TargetBackedDraft):
         self.layers = nn.ModuleList([DecoderLayer(arch) for _ in range(arch.num_layers - 1)])
         self.norm = arch.make_norm(h)
         self.rotary = RotaryEmbedding(arch)
+        self.chain = ChainParts()  # the TTT attention's elementwise work: compiled regions under train.compile
         dv = self._draft_vocab_size(model_cfg.draft_vocab_size)
         self.draft_vocab_size = dv
         self.lm_head = nn.Linear(h, dv, bias=False)
@@ -286,7 +287,7 @@ class Eagle3Draft(TargetBackedDraft):
                 w = self.arch.window(i)
                 if k == 0:
                     return chain_attention(q, kk, vv, [], ranges, w, buckets)
-                return chain_attention(q, s0[i][0], s0[i][1], dg[i] + [(kk, vv)], ranges, w, buckets)
+                return chain_attention(q, s0[i][0], s0[i][1], dg[i] + [(kk, vv)], ranges, w, buckets, self.chain)
 
             logits, hidden, kv, normed = self._step(emb, hidden, pos + k, None, None, attn=attn, head=heads)
             if k == 0:

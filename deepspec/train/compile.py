@@ -4,14 +4,17 @@ What is compiled: every piece of a draft decoder layer except the attention call
 projections with their q/k norms and RoPE (`Attention.project_q` / `project_kv`), the output projection
 (`Attention.output`) and the gated MLP — plus the drafts' other norms (EAGLE-3's hidden / fc norms, the final norm,
 DFlash's context norm), the RoPE tables (`RotaryEmbedding`) and a block draft's loss terms per chunk of prediction
-rows (`BlockDraft._chunk_terms`: the head GEMM, log-softmax, the target's softmax, CE / L1 / alpha / top-1). Inductor turns each region into a few fused kernels
-each way (a norm: one; q + q_norm + RoPE: the GEMM and one), where eager PyTorch launches one kernel per elementwise op
-and per slice of the memory-lean norm.
+rows (`BlockDraft._chunk_terms`: the head GEMM, log-softmax, the target's softmax, CE / L1 / alpha / top-1) and
+EAGLE-3's TTT attention around its SDPA call (`ChainParts.diagonal`: each row's own chain keys in fp32;
+`ChainParts.merge`: the call's output merged with it). Inductor turns each region into a few fused kernels each way (a
+norm: one; q + q_norm + RoPE: the GEMM and one), where eager PyTorch launches one kernel per elementwise op and per
+slice of the memory-lean norm.
 
-What is not: the attention. Its chunk plans are Python ints that change with every batch (anchors, sample ranges,
-TTT depth), so tracing through it either recompiles for each new plan or breaks the graph around every chunk. The
-drafts call the layer pieces themselves (block.py `_layer`, eagle3.py `_layer`) and the attention between them, so
-compiling the pieces, not the layer, leaves the attention eager by construction — no `torch.compiler.disable` needed.
+What is not: the attention calls and their plans. The chunk plans are Python ints that change with every batch
+(anchors, sample ranges, TTT depth), so tracing through them either recompiles for each new plan or breaks the graph
+around every chunk. The drafts call the layer pieces themselves (block.py `_layer`, eagle3.py `_layer`) and the
+attention between them, so compiling the pieces, not the layer, leaves the calls eager by construction — no
+`torch.compiler.disable` needed.
 
 How: each region is a method of a layer module (`forward` of RMSNorm / MLP / RotaryEmbedding, the three Attention
 methods). One `torch.compile` of the class's function is shared by every instance, and the instance gets an attribute
@@ -53,6 +56,7 @@ _DimSpec = str | tuple[int, ...]
 
 
 def _regions() -> dict[type, dict[str, tuple[_DimSpec, ...]]]:
+    from deepspec.drafts.attention import ChainParts
     from deepspec.drafts.block import BlockDraft
     from deepspec.drafts.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
@@ -61,6 +65,9 @@ def _regions() -> dict[type, dict[str, tuple[_DimSpec, ...]]]:
         # the head GEMM, softcap, log-softmax, the target's softmax and the L1 / alpha / top-1 reductions, which eager
         # runs as a dozen kernels each materialising a [rows, V] fp32 tensor
         BlockDraft: {"_chunk_terms": (LEADING, LEADING, (0,), LEADING)},
+        # EAGLE-3's TTT attention around its SDPA call: q / out / small [B, h, T, *], the chain keys [B, hk, T, k, d]
+        # (k = the TTT step: one graph for step 1, one for the later steps, per grad mode)
+        ChainParts: {"diagonal": ((0, 2), (0, 2, 3), (0, 2, 3)), "merge": ((0, 2), (0, 2))},
         RMSNorm: {"forward": (LEADING,)},
         MLP: {"forward": (LEADING,)},
         RotaryEmbedding: {"forward": ((0, 1), ())},  # position_ids [B, T] -> cos / sin; the dtype is not a tensor
