@@ -277,12 +277,13 @@ def _has_fp32_precision() -> bool:
 
 class ChainParts(nn.Module):
     """The TTT chain's elementwise work around its causal SDPA call: the diagonal (each row's own chain keys, in fp32)
-    and the merge of the call's output with it. Eagerly that is ~20 kernels forward and ~40 backward per layer and TTT
-    step over [B, heads, T, head_dim] tensors (fp32 upcasts, exp, products, slice gradients) - a quarter of an
-    EAGLE-3 step's launches. A module without parameters so that `train.compile` makes each method a compiled region
-    (deepspec/train/compile.py) of a few fused kernels; EAGLE-3 owns one (`Eagle3Draft.chain`), and `chain_attention`
-    without one runs the same methods eagerly. The lse channels (`_lse_channels`) stay eager: their bf16 round trips
-    are what some torch versions' Inductor removes."""
+    and the merge of the call's output with it. Eagerly that is ~30 kernels forward and ~40 backward per layer and TTT
+    step over [B, heads, T, head_dim] tensors (fp32 upcasts, exp, batched products, slice gradients). A module without
+    parameters so that `train.compile` makes each method a compiled region of a few fused kernels
+    (deepspec/train/compile.py; an EAGLE-3 micro-batch's CUDA path then launches 13% fewer kernels,
+    benchmarks/bench_launches.py). EAGLE-3 owns one (`Eagle3Draft.chain`); `chain_attention` without one runs the same
+    methods eagerly. The lse channels (`_lse_channels`) stay eager: their bf16 round trips are what some torch
+    versions' Inductor removes."""
 
     def diagonal(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
