@@ -26,6 +26,9 @@ whole result as one JSON object on the last line. A row is one (algorithm, seq_l
   steady_tokens_per_s  the median timed step's rate (`steady_mfu` likewise): a one-off cost inside one timed step (a
                      compiled region meeting a new kind of input: the first step without metrics, a new attention
                      shape) moves the mean, not this; what a long run settles at
+  phase_s            seconds before the timed steps: `start_to_draft_built` (process start to the draft and data in
+                     place), `flop_count` (the FLOP count's forward + backward; null where not counted), `first_step`
+                     (the trainer's set-up and plan step 0, every compilation its inputs trigger included)
   length_spread      with --length-spread MIN: sample lengths uniform in [MIN, seq_len] (FLOPs per token counted on the
                      first sample, so MFU is approximate there)
   peak_memory_mb     peak allocated GPU memory (torch.cuda.max_memory_allocated) / peak RSS of the training process on CPU
@@ -340,11 +343,14 @@ def _our_row(spec: dict) -> dict:
             first = samples[0]
         out: dict = {"liger_kernel": _liger_state(cfg, info.device)}
         progress(f"draft built, {len(data)} samples in memory or cache; Liger-Kernel {out['liger_kernel']}", clock.started)
+        built = time.perf_counter()
+        counted = None
         if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
             try:
                 out.update(flops_per_token(draft, cfg, first, info.device))
             except Exception as e:  # the row's other figures still count
                 out["flops_error"] = f"{type(e).__name__}: {e}"[-500:]
+            counted = time.perf_counter() - built
             progress("FLOPs counted (one forward + backward of one sample)", clock.started)
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -373,6 +379,12 @@ def _our_row(spec: dict) -> dict:
         out["tokens_per_step"] = per_step[timed[0]][0] if timed else None
         out["accum"], out["micro_batch"], out["global_batch"] = t.global_batch_size // (t.micro_batch_size * info.world), t.micro_batch_size, t.global_batch_size
         out["optimizer"] = t.optimizer
+        # where a row's time before its timed steps goes (a console keeps only the tail of the progress lines): the
+        # process up to the built draft, the FLOP count, and plan step 0 — the trainer's set-up, the first batch and
+        # every compilation its kinds of input trigger (regions, FlexAttention's kernels and block masks)
+        out["phase_s"] = {"start_to_draft_built": round(built - clock.started, 2),
+                          "flop_count": None if counted is None else round(counted, 2),
+                          "first_step": round(clock.duration(0), 2) if 1 in clock.stamps else None}
         out["attention"] = resolve_kernel(t.attention, info.device, t.pack_tokens > 0) if cfg.model.algorithm != "eagle3" else "sdpa"
         out["num_anchors"] = getattr(cfg.model, "num_anchors", None) if cfg.model.algorithm != "eagle3" else None
         if info.device.type == "cuda":

@@ -331,6 +331,8 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
         # the smoke trains in the recipe's bf16_if_native: bf16 FLOPs on a CPU with native bf16, fp32 ones without it
         assert r["tokens_per_s"] > 0 and r["flops_per_token"] + r["fp32_flops_per_token"] > 0
         assert r["accum"] == 2 and r["measured_steps"] == 1
+        phases = r["phase_s"]  # the row's start-up, its FLOP count (counted in the smoke) and the compiling first step
+        assert phases["start_to_draft_built"] > 0 and phases["flop_count"] > 0 and phases["first_step"] > 0, phases
         assert r["profiled_step"] == 1 and r["profile"]["aten_ops"] > 0 and r["profile"]["step_wall_ms"] > 0
         assert f"profile_{key[0]}_{key[1]}_{key[2]}.txt" in files
     mixed = [r for r in train if r.get("length_spread") == 24]
