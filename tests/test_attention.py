@@ -35,10 +35,11 @@ def _grads(out, inputs, keep=None):
     return torch.autograd.grad((out * w).sum(), inputs)
 
 
+@pytest.mark.parametrize("sentinel", [False, True])  # steps >= 1: merged through the flash kernel's lse / a sentinel
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("step", [0, 1, 3, 6])
-def test_chain_attention_equals_dense_reference(packed, window, step):
+def test_chain_attention_equals_dense_reference(packed, window, step, sentinel):
     torch.manual_seed(step)
     b, h, hk, t, d = 2, 6, 2, 29, 8  # GQA: 3 query heads per KV head
     q = torch.randn(b, h, t, d, requires_grad=True)
@@ -46,7 +47,7 @@ def test_chain_attention_equals_dense_reference(packed, window, step):
     v0 = torch.randn(b, hk, t, d, requires_grad=True)
     diag = [(torch.randn(b, hk, t, d, requires_grad=True), torch.randn(b, hk, t, d, requires_grad=True)) for _ in range(step)]
     seg = torch.tensor([[0] * 9 + [1] * 14 + [2] * 3 + [-1] * 3, [0] * 20 + [1] * 9]) if packed else None
-    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window)
+    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, sentinel=sentinel)
     ref = dense_chain_reference(q, k0, v0, diag, seg, window)
     real = (torch.ones(b, t, dtype=torch.bool) if seg is None else seg >= 0)[:, None, :, None].float()
     torch.testing.assert_close(out * real, ref * real, **TOL)
@@ -71,14 +72,15 @@ def compiled_chain():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sentinel", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("step", [1, 3, 6])
-def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, step):
-    """train.compile's ChainParts (the diagonal's products as fused fp32 reductions, the merge): the dense reference's
-    values and gradients on packed rows, with the window biting from step 4 on."""
+def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, step, sentinel):
+    """train.compile's ChainParts (the diagonal and its backward with their products as fused fp32 reductions, both
+    merges): the dense reference's values and gradients on packed rows, with the window biting from step 4 on."""
     from deepspec.train.compile import compiled_regions
 
-    assert {r.name for r in compiled_regions(compiled_chain)} == {"diagonal", "merge"}
+    assert {r.name for r in compiled_regions(compiled_chain)} == {"diagonal", "diagonal_backward", "merge", "merge_lse"}
     torch.manual_seed(step)
     b, h, hk, t, d = 2, 6, 2, 29, 8
     q = torch.randn(b, h, t, d, requires_grad=True)
@@ -86,7 +88,7 @@ def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, 
     v0 = torch.randn(b, hk, t, d, requires_grad=True)
     diag = [(torch.randn(b, hk, t, d, requires_grad=True), torch.randn(b, hk, t, d, requires_grad=True)) for _ in range(step)]
     seg = torch.tensor([[0] * 9 + [1] * 14 + [2] * 3 + [-1] * 3, [0] * 20 + [1] * 9])
-    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, parts=compiled_chain)
+    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, parts=compiled_chain, sentinel=sentinel)
     ref = dense_chain_reference(q, k0, v0, diag, seg, window)
     real = (seg >= 0)[:, None, :, None].float()
     torch.testing.assert_close(out * real, ref * real, **TOL)
@@ -295,3 +297,39 @@ def test_chain_attention_bf16_error_stays_near_the_dense_kernels():
     dense = dense_chain_reference(*bf, bdiag).float()
     assert (new - exact).abs().mean() < 1.3 * (dense - exact).abs().mean()
     assert (new - exact).abs().max() < 2.5 * (dense - exact).abs().max()
+
+
+@pytest.mark.cuda(reason="the CUDA flash kernel's log-sum-exp and backward")
+@pytest.mark.parametrize("d", [64, 128])
+def test_on_cuda_the_chain_merged_through_the_flash_lse_equals_the_reference(d):
+    """bf16 on CUDA, packed and bucketed rows, grouped-query heads, TTT step 3: the chain merged through the flash
+    kernel's log-sum-exp (its backward handed the merged output) is as close to the exact attention of the same bf16
+    inputs as the sentinel call is, values and gradients."""
+    from deepspec.drafts.attention import flash_lse_ops
+
+    torch.manual_seed(0)
+    dev, b, h, hk, t = "cuda", 2, 8, 2, 301
+    make = lambda *shape: (torch.randn(*shape, device=dev) * 2).bfloat16().requires_grad_()  # noqa: E731
+    q, k0, v0 = make(b, h, t, d), make(b, hk, t, d), make(b, hk, t, d)
+    diag = [(make(b, hk, t, d), make(b, hk, t, d)) for _ in range(3)]
+    assert flash_lse_ops(q) is not None
+    seg = torch.zeros(b, t, dtype=torch.long, device=dev)
+    seg[0, 120:] = 1
+    seg[1, 280:] = -1
+    real = (seg >= 0)[:, None, :, None].float()
+    inputs = [q, k0, v0, *[x for kv in diag for x in kv]]
+    w = torch.randn(b, h, t, d, device=dev) * real
+
+    def run(fn):
+        out = fn(*inputs[:3], [(inputs[3 + 2 * j], inputs[4 + 2 * j]) for j in range(3)])
+        grads = torch.autograd.grad((out.double() * w).sum(), inputs)
+        return out.double() * real, [g.double() for g in grads]
+
+    ranges = sample_ranges(seg, b, t)
+    new = run(lambda a, b_, c, dg: chain_attention(a, b_, c, dg, ranges, None, buckets=True))
+    old = run(lambda a, b_, c, dg: chain_attention(a, b_, c, dg, ranges, None, buckets=True, sentinel=True))
+    exact = run(lambda a, b_, c, dg: dense_chain_reference(a.double(), b_.double(), c.double(),
+                                                           [(x.double(), y.double()) for x, y in dg], seg))
+    for n, o, e in zip([new[0], *new[1]], [old[0], *old[1]], [exact[0], *exact[1]]):
+        err, ref = (n - e).abs(), (o - e).abs()
+        assert float(err.max()) <= 2 * float(ref.max()) + 1e-2 * float(e.abs().max()), (float(err.max()), float(ref.max()))

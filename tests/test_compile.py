@@ -106,7 +106,7 @@ def test_compiled_layers_equal_eager_and_reuse_their_graphs_across_lengths(algor
     # per decoder layer: 2 norms, the MLP, project_q / project_kv / output; the q/k norms are traced inside project_*;
     # a block draft's loss terms per chunk of rows (its own override where it has one)
     block = algorithm != "eagle3"
-    extra = {"_chunk_terms"} if block else {"diagonal", "merge"}  # a block draft's loss chunks; the TTT chain's parts
+    extra = {"_chunk_terms"} if block else {"diagonal", "diagonal_backward", "merge", "merge_lse"}  # the TTT chain's
     assert {r.name for r in regions} == {"forward", "project_q", "project_kv", "output"} | extra
     if block:
         (terms,) = [r for r in regions if r.name == "_chunk_terms"]

@@ -12,12 +12,19 @@ appended (a copy of (keys + rows) x d per chunk), and one additive mask showing 
 own block: one softmax over both, in the kernel, as the engine computes it. With activation checkpointing on, a
 chunk's mask and kernel output are rebuilt in backward (`recompute`), so a layer keeps no mask at all.
 
-The TTT chain: the small part (the diagonal, k keys per row) is computed in fp32 (`ChainParts`: a compiled region
-under `train.compile`); the large part (the causal keys) is one SDPA call per sample or per chunk of queries, and the two are merged *inside* that call, exactly: SDPA
-returns no log-sum-exp to merge with afterwards, so a sentinel key whose score is the small part's log-sum-exp, and
-whose value marks an extra output channel, joins the call; the kernel's fp32 softmax then gives the large part its
-exact normalisation and the small part its share Z_small / (Z_large + Z_small), and out = large + share * small
-(added in fp32). (Appending the diagonal keys instead would copy every row's k keys per chunk.)
+The TTT chain: the small part (the diagonal, k keys per row) is computed in fp32 (`ChainParts`: compiled regions
+under `train.compile`); the large part (the causal keys) is one flash-kernel call per sample. Where the flash kernel
+returns its log-sum-exp to us (PyTorch's CPU kernel; its CUDA one in bf16 / fp16 on sm80+: `flash_lse_ops`) and no
+window bites, the two parts merge in fp32 through their log-sum-exps, and the backward is blockwise attention's: the
+flash kernel's own backward handed the *merged* output and log-sum-exp gives the causal part's gradients exactly, and
+the diagonal's follow the same formula by hand (`_ChainFlash`). Elsewhere (CUDA in fp32, a sliding window that bites)
+they merge *inside* one SDPA call, which returns no log-sum-exp: a sentinel key whose score is the small part's
+log-sum-exp, and whose value marks an extra output channel, joins the call; the kernel's fp32 softmax then gives the
+large part its exact normalisation and the small part its share Z_small / (Z_large + Z_small), and out = large +
+share * small (added in fp32). (Appending the diagonal keys instead would copy every row's k keys per chunk.) The
+sentinel's 8 extra channels cost a head dim of 128 the flash kernel's 192-wide template on CUDA, about twice the
+call's time (an H200 profile: 0.97 / 2.47 ms forward / backward a call against 0.51 / 1.29 ms at head dim 128),
+which is why the log-sum-exp path is taken wherever it exists.
 
 What each call is, so that CUDA runs it on a fused kernel (tests/test_attention_kernels.py checks every call of a
 training step against PyTorch's CUDA rules):
@@ -276,14 +283,39 @@ def _has_fp32_precision() -> bool:
 
 
 class ChainParts(nn.Module):
-    """The TTT chain's elementwise work around its causal SDPA call: the diagonal (each row's own chain keys, in fp32)
-    and the merge of the call's output with it. Eagerly that is ~30 kernels forward and ~40 backward per layer and TTT
-    step over [B, heads, T, head_dim] tensors (fp32 upcasts, exp, batched products, slice gradients). A module without
-    parameters so that `train.compile` makes each method a compiled region of a few fused kernels
-    (deepspec/train/compile.py; an EAGLE-3 micro-batch's CUDA path then launches 13% fewer kernels,
-    benchmarks/bench_launches.py). EAGLE-3 owns one (`Eagle3Draft.chain`); `chain_attention` without one runs the same
-    methods eagerly. The lse channels (`_lse_channels`) stay eager: their bf16 round trips are what some torch
-    versions' Inductor removes."""
+    """The TTT chain's elementwise work around its causal attention call: the diagonal (each row's own chain keys, in
+    fp32), its backward, and the merges of the causal call's output with it. Eagerly that is ~30 kernels forward and
+    ~40 backward per layer and TTT step over [B, heads, T, head_dim] tensors (fp32 upcasts, exp, batched products,
+    slice gradients). A module without parameters so that `train.compile` makes each method a compiled region of a
+    few fused kernels (deepspec/train/compile.py). EAGLE-3 owns one (`Eagle3Draft.chain`); `chain_attention` without
+    one runs the same methods eagerly. The sentinel call's lse channels (`_lse_channels`) stay eager: their bf16 round
+    trips are what some torch versions' Inductor removes."""
+
+    @staticmethod
+    def _products(a: torch.Tensor, b: torch.Tensor, eq: str) -> torch.Tensor:
+        """einsum `eq` over the diagonal's small axes. Compiled, as a broadcast product and a sum that Inductor fuses
+        into one fp32 reduction reading each operand once, where the einsum's batched [g, d] x [d, k] products run
+        cuBLAS's fp32 SIMT kernels; eagerly the broadcast would materialise k copies of q, so eager keeps the einsum."""
+        if not torch.compiler.is_compiling():
+            return torch.einsum(eq, a, b)
+        lhs, out = eq.split("->")
+        x, y = lhs.split(",")
+        axes = "".join(dict.fromkeys(x + y))
+        ax = a.permute(*[x.index(c) for c in axes if c in x]).reshape([a.shape[x.index(c)] if c in x else 1 for c in axes])
+        by = b.permute(*[y.index(c) for c in axes if c in y]).reshape([b.shape[y.index(c)] if c in y else 1 for c in axes])
+        summed = [i for i, c in enumerate(axes) if c not in out]
+        r = (ax * by).sum(summed)
+        kept = [c for c in axes if c in out]
+        return r.permute(*[kept.index(c) for c in out])
+
+    def _scores(self, qg: torch.Tensor, kd: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """[B, hk, g, T, k] fp32 scores of each row over its own chain keys (steps 1..k; older than `window` masked)."""
+        step = kd.shape[3]
+        scores = self._products(qg, kd, "bhgtd,bhtjd->bhgtj") * scale
+        if window is not None and step >= window:
+            j = torch.arange(1, step + 1, device=qg.device)
+            scores = scores.masked_fill((step - j >= window).view(1, 1, 1, 1, -1), float("-inf"))
+        return scores
 
     def diagonal(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,35 +323,139 @@ class ChainParts(nn.Module):
         upcast exactly; the caller turns autocast and TF32 off): (lse [B, h, T], out [B, h, T, d]). Scores rounded to
         bf16 would put the merge off by ~|score| * 2^-9 in log space."""
         b_n, h, t, d = q.shape
-        hk, step = kd.shape[1], kd.shape[3]
+        hk = kd.shape[1]
         qg = _acc(q).reshape(b_n, hk, h // hk, t, d)
-        kd, vd = _acc(kd), _acc(vd)
-        # compiled: products and sums over d (scores) and over k (out) as broadcasts that Inductor fuses into fp32
-        # reductions reading q once, where the einsums' batched [g, d] x [d, k] products run cuBLAS's fp32 SIMT
-        # kernels; eagerly the broadcasts would materialise k copies of q, so eager keeps the einsums
-        fused = torch.compiler.is_compiling()
-        if fused:
-            scores = (qg.unsqueeze(-2) * kd.unsqueeze(2)).sum(-1) * scale
-        else:
-            scores = torch.einsum("bhgtd,bhtjd->bhgtj", qg, kd) * scale
-        if window is not None and step >= window:
-            j = torch.arange(1, step + 1, device=q.device)
-            scores = scores.masked_fill((step - j >= window).view(1, 1, 1, 1, -1), float("-inf"))
+        scores = self._scores(qg, _acc(kd), scale, window)
         lse = torch.logsumexp(scores, dim=-1)  # [B, hk, g, T]
-        p = torch.exp(scores - lse.unsqueeze(-1))
-        if fused:
-            out = (p.unsqueeze(-1) * vd.unsqueeze(2)).sum(-2)
-        else:
-            out = torch.einsum("bhgtj,bhtjd->bhgtd", p, vd)
+        out = self._products(torch.exp(scores - lse.unsqueeze(-1)), _acc(vd), "bhgtj,bhtjd->bhgtd")
         return lse.reshape(b_n, h, t), out.reshape(b_n, h, t, d)
+
+    def diagonal_backward(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, grad: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, scale: float,
+                          window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The diagonal's share of the gradients of a merged chain output `out` [B, h, T, d] (log-sum-exp `lse`
+        [B, h, T] over every key the row saw), as blockwise attention computes each block's: P = exp(S - lse),
+        dS = P * (grad . v - rowsum(grad * out)). Returns fp32 (dq [B, h, T, d], dkd, dvd [B, hk, T, k, d])."""
+        b_n, h, t, d = q.shape
+        hk = kd.shape[1]
+        g = h // hk
+        qg = _acc(q).reshape(b_n, hk, g, t, d)
+        kd, vd = _acc(kd), _acc(vd)
+        go = _acc(grad).reshape(b_n, hk, g, t, d)
+        p = torch.exp(self._scores(qg, kd, scale, window) - lse.reshape(b_n, hk, g, t, 1))
+        rowsum = (go * _acc(out).reshape(b_n, hk, g, t, d)).sum(-1, keepdim=True)
+        ds = p * (self._products(go, vd, "bhgtd,bhtjd->bhgtj") - rowsum)
+        dq = self._products(ds, kd, "bhgtj,bhtjd->bhgtd") * scale
+        dkd = self._products(ds, qg, "bhgtj,bhgtd->bhtjd") * scale
+        dvd = self._products(p, go, "bhgtj,bhgtd->bhtjd")
+        return dq.reshape(b_n, h, t, d), dkd, dvd
 
     def merge(self, out: torch.Tensor, small: torch.Tensor, d: int) -> torch.Tensor:
         """A sentinel call's output [..., d + _EXTRA] + its share (channel d) of the small part's output, in fp32."""
         merged = _acc(out[..., :d]) + _acc(out[..., d : d + 1]) * small
         return merged.to(out.dtype)
 
+    def merge_lse(self, out_l: torch.Tensor, lse_l: torch.Tensor, out_s: torch.Tensor,
+                  lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal part (out_l in the kernel's dtype, its fp32 log-sum-exp lse_l [B, h, T]) and the diagonal (fp32)
+        as one softmax over both, in fp32: (out in out_l's dtype, the merged log-sum-exp)."""
+        lse = torch.logaddexp(lse_l, lse_s)
+        merged = _acc(out_l) * torch.exp(lse_l - lse).unsqueeze(-1) + out_s * torch.exp(lse_s - lse).unsqueeze(-1)
+        return merged.to(out_l.dtype), lse
+
 
 _EAGER_PARTS = ChainParts()
+
+
+# --- the chain's causal part on a flash kernel that returns its log-sum-exp -----------------------------------------
+def _cpu_flash_forward(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_flash_backward(grad, q, k, v, out, lse, extra, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def _cuda_flash_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cuda_flash_backward(grad, q, k, v, out, lse, extra, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+
+
+def flash_lse_ops(q: torch.Tensor):
+    """(forward, backward) of the flash kernel for q's device and dtype that returns the log-sum-exp the chain merges
+    with, or None where it has none (the chain then takes the sentinel call): PyTorch's CPU flash kernel (any float
+    dtype; also on the meta device), its CUDA one in bf16 / fp16 on sm80+ with head dims it takes. Both take grouped
+    query heads as they are."""
+    dev = q.device.type
+    if dev in ("cpu", "meta"):
+        return _cpu_flash_forward, _cpu_flash_backward
+    if (dev == "cuda" and torch.version.hip is None and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+        return _cuda_flash_forward, _cuda_flash_backward
+    return None
+
+
+def _causal_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, forward, buckets: bool):
+    """The chain's causal call with its log-sum-exp: (out [B, h, n, d], lse [B, h, n], the kernel's backward state,
+    the padded rows' lse). With `buckets` the rows are padded at the end to a `bucket` length, as `_causal` pads (a row
+    never sees a later one) — the few shapes a run's calls take stay the same whichever way the chain merges."""
+    n = q.shape[2]
+    extra = bucket(n) - n if buckets else 0
+    if extra:
+        q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
+    out, lse, state = forward(q, k, v, scale)
+    return out[:, :, :n], lse[:, :, :n], state, lse[:, :, n:]
+
+
+class _ChainFlash(torch.autograd.Function):
+    """TTT step k >= 1 of one sample, unwindowed: the causal part (step-0 keys) on the flash kernel at the head dim,
+    merged in fp32 with the diagonal through both parts' log-sum-exps. Backward as blockwise attention computes it:
+    each part's gradient is the softmax over *all* keys, so the flash kernel's own backward, handed the merged output
+    and log-sum-exp, gives the causal part's, and `ChainParts.diagonal_backward` the diagonal's."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, scale, window, parts, ops, buckets):
+        forward, backward = ops
+        dtype = _compute_dtype(q)
+        qc, kc, vc = (x.to(dtype) for x in (q, k0, v0))
+        out_l, lse_l, state, lse_pad = _causal_lse(qc, kc, vc, scale, forward, buckets)
+        with no_autocast(q.device.type), _ieee_fp32(q):
+            lse_s, out_s = parts.diagonal(q, kd, vd, scale, window)
+            out, lse = parts.merge_lse(out_l, lse_l, out_s, lse_s)
+        tensors = [x for x in state if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(qc, kc, vc, q, kd, vd, out, lse, lse_pad, *tensors)
+        ctx.rest = (scale, window, parts, backward, [None if isinstance(x, torch.Tensor) else x for x in state])
+        ctx.dtypes = (q.dtype, k0.dtype, v0.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qc, kc, vc, q, kd, vd, out, lse, lse_pad, *tensors = ctx.saved_tensors
+        scale, window, parts, backward, rest = ctx.rest
+        it = iter(tensors)
+        state = tuple(next(it) if x is None else x for x in rest)
+        n, extra = q.shape[2], lse_pad.shape[2]
+        g = grad.to(out.dtype)
+        if extra:  # the padded rows: no gradient, their own lse (finite), zero output
+            qc, kc, vc, g, out_k = (F.pad(x, (0, 0, 0, extra)) for x in (qc, kc, vc, g, out))
+            lse_k = torch.cat([lse, lse_pad], dim=2)
+        else:
+            out_k, lse_k = out, lse
+        dq, dk0, dv0 = (x[:, :, :n] for x in backward(g.contiguous(), qc, kc, vc, out_k, lse_k.contiguous(), state, scale))
+        with no_autocast(q.device.type), _ieee_fp32(q):
+            dq_s, dkd, dvd = parts.diagonal_backward(q, kd, vd, grad, out, lse, scale, window)
+        qt, kt, vt = ctx.dtypes
+        return ((dq.float() + dq_s).to(qt), dk0.to(kt), dv0.to(vt), dkd.to(kd.dtype), dvd.to(vd.dtype),
+                None, None, None, None, None)
 
 
 def chain_attention(
@@ -331,11 +467,16 @@ def chain_attention(
     window: int | None = None,
     buckets: bool = False,
     parts: ChainParts | None = None,
+    sentinel: bool = False,
 ) -> torch.Tensor:
     """TTT step k = len(diag) attention. q [B,h,T,d] (row r at position r+k); k0/v0 [B,hk,T,d] step-0 keys
     (row s at position s); diag: (k_j, v_j) [B,hk,T,d] of steps j = 1..k for each row itself (position r+j).
     ranges: the batch's samples (deepspec.drafts.plan.sample_ranges); buckets: causal calls padded to bucket lengths;
-    parts: the draft's ChainParts (compiled regions under train.compile), else eager ones. Returns [B, h, T, d]."""
+    parts: the draft's ChainParts (compiled regions under train.compile), else eager ones. Returns [B, h, T, d].
+
+    Steps k >= 1 merge the causal part with the diagonal through the flash kernel's log-sum-exp where it has one
+    (`flash_lse_ops`) and the window does not bite; else (or with `sentinel`) through the sentinel call, whose 8
+    extra channels put a head dim of 128 on the flash kernel's 192-wide template on CUDA (~1.9x its time)."""
     step = len(diag)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
@@ -344,6 +485,10 @@ def chain_attention(
     parts = parts if parts is not None else _EAGER_PARTS
     kd = torch.stack([x[0] for x in diag], dim=3)  # [B, hk, T, k, d]
     vd = torch.stack([x[1] for x in diag], dim=3)
+    ops = None if sentinel or (window is not None and window < q.shape[2] + step) else flash_lse_ops(q)
+    if ops is not None:
+        return _over_ranges(lambda a, b, c, e, f: _ChainFlash.apply(a, b, c, e, f, scale, window, parts, ops, buckets),
+                            ranges, [q, k0, v0, kd, vd], d)
     with no_autocast(q.device.type), _ieee_fp32(q):
         lse_d, out_d = parts.diagonal(q, kd, vd, scale, window)
     qx = _with_lse(q, lse_d, scale)

@@ -5,8 +5,8 @@ projections with their q/k norms and RoPE (`Attention.project_q` / `project_kv`)
 (`Attention.output`) and the gated MLP — plus the drafts' other norms (EAGLE-3's hidden / fc norms, the final norm,
 DFlash's context norm), the RoPE tables (`RotaryEmbedding`) and a block draft's loss terms per chunk of prediction
 rows (`BlockDraft._chunk_terms`: the head GEMM, log-softmax, the target's softmax, CE / L1 / alpha / top-1) and
-EAGLE-3's TTT attention around its SDPA call (`ChainParts.diagonal`: each row's own chain keys in fp32;
-`ChainParts.merge`: the call's output merged with it). Inductor turns each region into a few fused kernels each way (a
+EAGLE-3's TTT attention around its causal calls (`ChainParts`: the diagonal — each row's own chain keys in fp32 —,
+its backward, and the merges of a call's output with it). Inductor turns each region into a few fused kernels each way (a
 norm: one; q + q_norm + RoPE: the GEMM and one), where eager PyTorch launches one kernel per elementwise op and per
 slice of the memory-lean norm.
 
@@ -65,9 +65,11 @@ def _regions() -> dict[type, dict[str, tuple[_DimSpec, ...]]]:
         # the head GEMM, softcap, log-softmax, the target's softmax and the L1 / alpha / top-1 reductions, which eager
         # runs as a dozen kernels each materialising a [rows, V] fp32 tensor
         BlockDraft: {"_chunk_terms": (LEADING, LEADING, (0,), LEADING)},
-        # EAGLE-3's TTT attention around its SDPA call: q / out / small [B, h, T, *], the chain keys [B, hk, T, k, d]
-        # (k = the TTT step: one graph for step 1, one for the later steps, per grad mode)
-        ChainParts: {"diagonal": ((0, 2), (0, 2, 3), (0, 2, 3)), "merge": ((0, 2), (0, 2))},
+        # EAGLE-3's TTT attention around its causal calls: q / out / grad / lse [B, h, T, *], the chain keys
+        # [B, hk, T, k, d] (k = the TTT step: one graph for step 1, one for the later steps, per grad mode)
+        ChainParts: {"diagonal": ((0, 2), (0, 2, 3), (0, 2, 3)), "merge": ((0, 2), (0, 2)),
+                     "diagonal_backward": ((0, 2), (0, 2, 3), (0, 2, 3), (0, 2), (0, 2), (0, 2)),
+                     "merge_lse": ((0, 2), (0, 2), (0, 2), (0, 2))},
         RMSNorm: {"forward": (LEADING,)},
         MLP: {"forward": (LEADING,)},
         RotaryEmbedding: {"forward": ((0, 1), ())},  # position_ids [B, T] -> cos / sin; the dtype is not a tensor
