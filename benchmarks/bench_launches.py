@@ -37,8 +37,8 @@ this tree the same step counted at the full Qwen3-8B shape on the meta device (`
 
 FLOPs (per micro-batch, full Qwen3-8B shape, this tree's code): a draft built under `torch.device("meta")`, the plan
 made on the CPU, the batch then moved to meta; matrix products 2mnk by formula from the dispatched ops, attention
-2·B·Hq·Lq·Lk·(Dq + Dv) forward by formula at the SDPA call (grouped-query heads counted as query heads), backward 2x
-forward. `flops_exact` = without buckets (the math of b3a919e's exact chunk plans, also the MFU numerator),
+2·B·Hq·Lq·Lk·(Dq + Dv) forward by formula at the SDPA call and at the flash ops EAGLE-3's chain calls itself
+(grouped-query heads counted as query heads), backward 2x forward. `flops_exact` = without buckets (the math of b3a919e's exact chunk plans, also the MFU numerator),
 `flops_bucketed` = what this tree's bucketed plan computes (padded keys included).
 
 Baseline: `--baseline-tree` (default /tmp/deepspec-b3a919e, made with `git worktree add` when missing); this
@@ -99,6 +99,9 @@ NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_str
 DISPATCH_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "_unique", "_unique2",
                   "unique_dim", "unique_consecutive", "unique_dim_consecutive", "argwhere"}
 MATMULS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix operand
+# the flash kernel ops the TTT chain calls directly (deepspec/drafts/attention.py `flash_lse_ops`) -> index of query
+FLASH_OPS = {"_scaled_dot_product_flash_attention_for_cpu": 0, "_scaled_dot_product_flash_attention": 0,
+             "_scaled_dot_product_flash_attention_for_cpu_backward": 1, "_scaled_dot_product_flash_attention_backward": 1}
 READ_METHODS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
 DATA_DEPENDENT = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 
@@ -139,6 +142,10 @@ def make_modes():
                 a, b = args[MATMULS[name]], args[MATMULS[name] + 1]
                 batch = a.shape[0] if a.dim() == 3 else 1
                 self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+            if name in FLASH_OPS:  # EAGLE-3's chain calls the flash kernel itself (F.sdpa's calls: HostReads counts them)
+                q, k, v = args[FLASH_OPS[name]:FLASH_OPS[name] + 3]
+                fwd = 2 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+                self.flops += 2 * fwd if "backward" in name else fwd  # the same convention as HostReads
             return func(*args, **kwargs)
 
     class HostReads(TorchFunctionMode):

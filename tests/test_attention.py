@@ -101,6 +101,25 @@ def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, 
         torch.testing.assert_close(a, r, **TOL)
 
 
+def test_the_sentinel_switch_turns_the_flash_lse_merge_off(monkeypatch):
+    """DEEPSPEC_CHAIN_SENTINEL=1 sends TTT steps >= 1 to the sentinel call (the same values): the A/B switch, and the way
+    back on a GPU where the flash kernel's log-sum-exp path fails."""
+    import deepspec.drafts.attention as attention
+
+    calls = []
+    real = attention._causal_lse
+    monkeypatch.setattr(attention, "_causal_lse", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    q, k0, v0 = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    diag = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8))]
+    r = sample_ranges(None, 1, 20)
+    merged = chain_attention(q, k0, v0, diag, r)
+    assert calls == [1]
+    monkeypatch.setenv("DEEPSPEC_CHAIN_SENTINEL", "1")
+    torch.testing.assert_close(chain_attention(q, k0, v0, diag, r), merged, **TOL)
+    assert calls == [1]
+
+
 def test_window_bites_in_the_chain():
     torch.manual_seed(0)
     q, k0, v0 = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)

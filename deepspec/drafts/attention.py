@@ -49,6 +49,7 @@ fp32 (the golden tests compare them with the dense-mask references at the end, w
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -393,7 +394,9 @@ def flash_lse_ops(q: torch.Tensor):
     """(forward, backward) of the flash kernel for q's device and dtype that returns the log-sum-exp the chain merges
     with, or None where it has none (the chain then takes the sentinel call): PyTorch's CPU flash kernel (any float
     dtype; also on the meta device), its CUDA one in bf16 / fp16 on sm80+ with head dims it takes. Both take grouped
-    query heads as they are."""
+    query heads as they are. DEEPSPEC_CHAIN_SENTINEL=1 turns this path off (A/B runs, or a GPU where it fails)."""
+    if os.environ.get("DEEPSPEC_CHAIN_SENTINEL", "0") == "1":
+        return None
     dev = q.device.type
     if dev in ("cpu", "meta"):
         return _cpu_flash_forward, _cpu_flash_backward
