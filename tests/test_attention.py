@@ -40,6 +40,12 @@ def _grads(out, inputs, keep=None):
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("step", [0, 1, 3, 6])
 def test_chain_attention_equals_dense_reference(packed, window, step, sentinel):
+    _check_chain(step, packed, window, sentinel)
+
+
+def _check_chain(step: int, packed: bool, window: int | None, sentinel: bool, parts=None) -> None:
+    """chain_attention (through `parts`, else eager) equals the dense [T, (k+1)T] mask's attention, values and
+    gradients, on the real rows."""
     torch.manual_seed(step)
     b, h, hk, t, d = 2, 6, 2, 29, 8  # GQA: 3 query heads per KV head
     q = torch.randn(b, h, t, d, requires_grad=True)
@@ -47,7 +53,7 @@ def test_chain_attention_equals_dense_reference(packed, window, step, sentinel):
     v0 = torch.randn(b, hk, t, d, requires_grad=True)
     diag = [(torch.randn(b, hk, t, d, requires_grad=True), torch.randn(b, hk, t, d, requires_grad=True)) for _ in range(step)]
     seg = torch.tensor([[0] * 9 + [1] * 14 + [2] * 3 + [-1] * 3, [0] * 20 + [1] * 9]) if packed else None
-    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, sentinel=sentinel)
+    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, parts=parts, sentinel=sentinel)
     ref = dense_chain_reference(q, k0, v0, diag, seg, window)
     real = (torch.ones(b, t, dtype=torch.bool) if seg is None else seg >= 0)[:, None, :, None].float()
     torch.testing.assert_close(out * real, ref * real, **TOL)
@@ -81,24 +87,7 @@ def test_compiled_chain_parts_equal_the_dense_reference(compiled_chain, window, 
     from deepspec.train.compile import compiled_regions
 
     assert {r.name for r in compiled_regions(compiled_chain)} == {"diagonal", "diagonal_backward", "merge", "merge_lse"}
-    torch.manual_seed(step)
-    b, h, hk, t, d = 2, 6, 2, 29, 8
-    q = torch.randn(b, h, t, d, requires_grad=True)
-    k0 = torch.randn(b, hk, t, d, requires_grad=True)
-    v0 = torch.randn(b, hk, t, d, requires_grad=True)
-    diag = [(torch.randn(b, hk, t, d, requires_grad=True), torch.randn(b, hk, t, d, requires_grad=True)) for _ in range(step)]
-    seg = torch.tensor([[0] * 9 + [1] * 14 + [2] * 3 + [-1] * 3, [0] * 20 + [1] * 9])
-    out = chain_attention(q, k0, v0, diag, sample_ranges(seg, b, t), window, parts=compiled_chain, sentinel=sentinel)
-    ref = dense_chain_reference(q, k0, v0, diag, seg, window)
-    real = (seg >= 0)[:, None, :, None].float()
-    torch.testing.assert_close(out * real, ref * real, **TOL)
-    inputs = [q, k0, v0] + [x for kv in diag for x in kv]
-    torch.manual_seed(99)
-    g_new = _grads(out, inputs, real)
-    torch.manual_seed(99)
-    g_ref = _grads(ref, inputs, real)
-    for a, r in zip(g_new, g_ref):
-        torch.testing.assert_close(a, r, **TOL)
+    _check_chain(step, True, window, sentinel, parts=compiled_chain)
 
 
 def test_the_sentinel_switch_turns_the_flash_lse_merge_off(monkeypatch):
