@@ -183,8 +183,8 @@ def compile_draft(model: nn.Module, setting: bool | str = True, device: torch.de
                 fn = getattr(type(module), name)  # the module's own override, if its class has one
                 module.__dict__[name] = CompiledRegion(module, name, fn, _compiled(fn), dims)
                 count += 1
-    log.info("compiled %d draft regions (norms, q/k/v/o projections with RoPE, MLPs, block drafts' loss chunks); the "
-             "attention stays eager", count)
+    log.info("compiled %d draft regions (norms, q/k/v/o projections with RoPE, MLPs, block drafts' loss chunks, "
+             "EAGLE-3's chain parts); the attention calls stay eager", count)
     if not keeps_bf16_round_trips():
         log.warning("torch %s's Inductor drops the bf16 rounding of the RMSNorms' normalised value inside compiled "
                     "regions (HF and the serving engines round it): compiled norms differ from eager ones by up to one "
