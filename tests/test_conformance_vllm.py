@@ -52,6 +52,7 @@ STEPS = {"eagle3": (50, 3.0e-3, "bf16_if_native"), "dflash": (30, 6.0e-3, "bf16_
 # either draft and still far from what a broken protocol gives (see the test).
 RATIO_SD_LOG = 0.414
 RATIO_BAND = (math.exp(-3.3 * RATIO_SD_LOG), math.exp(3.3 * RATIO_SD_LOG))
+MIN_T1_ROUNDS = 120  # 6 answers of up to 96 tokens at tau ~1.2 make at most ~480 rounds: a quarter of that
 
 
 def _recipe(root: Path, name: str, base: str, model: str, train: str = "") -> Path:
@@ -271,7 +272,10 @@ def test_eagle3_served_as_trained_and_as_contracted(trained, smollm2_dir, tmp_pa
     # temperatures gave 1.01). Depth 1 tells them apart: those temperatures gave 0.010 (ratio ~0.1), a target
     # verified greedily would give ~0.95 (ratio 5-10 against ours of 0.09-0.19), both outside RATIO_BAND, the spread
     # measured at this scale (see its comment). The unfixed CPU temperatures are pinned exactly by tests/test_vllm_plugin.py.
-    assert sampled["overall"]["rounds"] > 250 and c1["engine_drafts"] > 250, c1
+    # Enough rounds for the band: sampled answers end where the sampler draws EOS, so the count varies; vLLM's side
+    # gave 256-512 drafts over 32 repeats of this recipe (served_t1_spread*.json, the band's own runs) and 220 in one CI
+    # run. The band's spread was measured with counts as they fell; this floor only refuses a run that decoded next to nothing.
+    assert sampled["overall"]["rounds"] > MIN_T1_ROUNDS and c1["engine_drafts"] > MIN_T1_ROUNDS, c1
     ratio = c1["engine_survival"][0] / c1["ours_survival"][0]
     assert RATIO_BAND[0] < ratio < RATIO_BAND[1], (ratio, RATIO_BAND, _depths(c1))
     assert "greedy drafts, T=1 on both sides" in (tmp_path / "t1" / "results.md").read_text()
