@@ -53,6 +53,8 @@ whole result as one JSON object on the last line. A row is one (algorithm, seq_l
                      width and dtype, written with deepspec.data.cache.format and read through the trainer's own data
                      path: open_cache, the cache reader and the training loader)
   liger_kernel       whether EAGLE-3's loss ran Liger-Kernel's fused kernel in the row's process
+  eagle3_chain       EAGLE-3 rows: how its TTT steps 1-6 merge the causal attention with the diagonal ("flash
+                     log-sum-exp", or "sentinel call (...)" with the reason)
 Each row trains in a fresh subprocess in a process group of its own (benchmarks/_procs.py), so peak memory is per row
 and a row that runs past --row-timeout is killed with every process it started. The row's process prints progress
 lines on stderr ("[bench_train row] ...": each phase, each optimizer step with its time and peak GPU memory); a row
@@ -342,7 +344,11 @@ def _our_row(spec: dict) -> dict:
                                write_draft=lambda d, w: None)
             first = samples[0]
         out: dict = {"liger_kernel": _liger_state(cfg, info.device)}
-        progress(f"draft built, {len(data)} samples in memory or cache; Liger-Kernel {out['liger_kernel']}", clock.started)
+        chain = _chain_state(cfg, draft, info.device)
+        if chain:
+            out["eagle3_chain"] = chain
+        progress(f"draft built, {len(data)} samples in memory or cache; Liger-Kernel {out['liger_kernel']}"
+                 + (f"; TTT steps merge by {chain}" if chain else ""), clock.started)
         built = time.perf_counter()
         counted = None
         if info.device.type == "cuda" or spec.get("count_flops"):  # counted on the plain draft, before the trainer wraps it
@@ -553,6 +559,26 @@ def _liger_state(cfg, device) -> str:
         return "importable (EAGLE-3's loss only)"
     used = liger.available(torch.empty(0, device=device))
     return "used by the loss" if used else "importable, not used (CPU, or DEEPSPEC_LIGER=0)"
+
+
+def _chain_state(cfg, draft, device) -> str | None:
+    """How this row's EAGLE-3 TTT steps 1-6 merge their causal part with the diagonal (deepspec/drafts/attention.py
+    `chain_attention`), as the row records it: the flash kernel's log-sum-exp, or the sentinel call where that kernel
+    is missing for the device and dtype or DEEPSPEC_CHAIN_SENTINEL=1 asks for it (an A/B row, or a GPU where the
+    flash path failed its test). None for the block drafts."""
+    import torch
+
+    from deepspec.drafts.attention import flash_lse_ops
+
+    if cfg.model.algorithm != "eagle3":
+        return None
+    att = draft.midlayer.self_attn
+    dtype = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
+    if flash_lse_ops(torch.empty(1, att.num_heads, 1, att.head_dim, device=device, dtype=dtype)) is not None:
+        return "flash log-sum-exp"
+    if os.environ.get("DEEPSPEC_CHAIN_SENTINEL", "0") == "1":
+        return "sentinel call (DEEPSPEC_CHAIN_SENTINEL=1)"
+    return "sentinel call (no flash kernel with a log-sum-exp for this device and dtype)"
 
 
 def progress(message: str, since: float) -> None:

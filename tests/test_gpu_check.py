@@ -320,15 +320,17 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
     assert len(files) <= 8 and {"rows.jsonl", "log.txt"} <= set(files), files
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer", "v4-memory", "long", "flex", "eager",
-                            "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-sdpa", "summary"]
+    assert list(status) == ["env", "tests", "ours", "liger-off", "sentinel", "cache", "peer", "v4-memory", "long", "flex",
+                            "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-sdpa", "summary"]
     assert rows[-1]["row"] == "summary"
-    for name in ("env", "tests", "ours", "cache", "v4-memory", "long", "mixed-sdpa", "recipe-batch"):
+    for name in ("env", "tests", "ours", "sentinel", "cache", "v4-memory", "long", "mixed-sdpa", "recipe-batch"):
         assert status[name]["status"] == "ok", (name, status[name], (out / "log.txt").read_text()[-3000:])
     assert status["peer"]["status"] in ("ok", "skipped")
     assert all(status[name]["status"] == "skipped" for name in ("liger-off", "flex", "eager", "mixed-flex", "recipe-sdpa"))
     assert rows[0]["row"] == "env" and "torch" in rows[0] and rows[0]["liger"].startswith("not installed"), rows[0]
-    assert "collected" in (out / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
+    assert "collected" in log and "test_on_cuda_the_chain_merged_through_the_flash_lse" in log  # the merge's CUDA test
+    assert not any("eagle3_chain_fallback" in r for r in rows)  # collected, not failed: the rows keep the default path
     train = [r for r in rows if r.get("benchmark") == "train" and "algorithm" in r]
     by: dict = {}  # the first row of each key: `ours` comes before the peer row (EAGLE-3 again, where .peer-venv exists)
     for r in train:
@@ -350,12 +352,44 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
         assert phases["start_to_draft_built"] > 0 and phases["flop_count"] > 0 and phases["first_step"] > 0, phases
         assert r["profiled_step"] == 1 and r["profile"]["aten_ops"] > 0 and r["profile"]["step_wall_ms"] > 0
         assert f"profile_{key[0]}_{key[1]}_{key[2]}.txt" in files
+    assert by[("eagle3", "memory", 64)]["eagle3_chain"] == "flash log-sum-exp"  # the CPU kernel returns it
+    sentinel = [r for r in train if r.get("eagle3_chain", "").startswith("sentinel")]  # the sentinel row: the A/B
+    assert len(sentinel) == 1 and sentinel[0]["eagle3_chain"] == "sentinel call (DEEPSPEC_CHAIN_SENTINEL=1)", sentinel
+    assert "error" not in sentinel[0] and sentinel[0]["tokens_per_s"] > 0, sentinel
     mixed = [r for r in train if r.get("length_spread") == 24]
     assert len(mixed) == 1 and "error" not in mixed[0] and mixed[0]["steady_tokens_per_s"] > 0, mixed
     long = by[("eagle3", "memory", 512)]
     assert long["tokens_per_s"] > 0 and long["activation_checkpointing"] and "profile" not in long
     memory = next(r for r in rows if r.get("benchmark") == "draft_memory")
     assert memory["measured_on"] == "cpu" and memory["measured_peak_gb"] > 0 and memory["state"]["trainable_params"] > 1e9
+
+
+def test_a_failed_flash_merge_test_sends_the_later_rows_to_the_sentinel_call(tmp_path):
+    """The tests row's JUnit report read as gpu_check.sh reads it: a failure or an error of the chain merge's CUDA test
+    (one of its parameters is enough) appends a note naming it and exits 0 (the script then exports
+    DEEPSPEC_CHAIN_SENTINEL=1); a pass, a skip, another test's failure, or no report at all exit 1."""
+    script = ROOT / "benchmarks" / "_sentinel_fallback.py"
+    test = "test_on_cuda_the_chain_merged_through_the_flash_lse_equals_the_reference"
+
+    def report(**cases: str) -> Path:  # name -> "", "failure", "error" or "skipped"
+        body = "".join(f'<testcase classname="tests.test_attention" name="{n}">' + (f'<{kind} message="x"/>' if kind else "")
+                       + "</testcase>" for n, kind in cases.items())
+        path = tmp_path / f"report{len(list(tmp_path.glob('report*')))}.xml"
+        path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+        return path
+
+    def verdict(xml: Path) -> tuple[int, list[dict]]:
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text("")
+        proc = subprocess.run([sys.executable, str(script), str(xml), str(rows)], capture_output=True, text=True, timeout=60)
+        return proc.returncode, [json.loads(x) for x in rows.read_text().splitlines()]
+
+    code, notes = verdict(report(**{f"{test}[64]": "", f"{test}[128]": "failure", "test_other": ""}))
+    assert code == 0 and notes[0]["eagle3_chain_fallback"] == [f"{test}[128]"] and "DEEPSPEC_CHAIN_SENTINEL=1" in notes[0]["note"]
+    assert verdict(report(**{f"{test}[64]": "error"}))[0] == 0
+    for cases in ({f"{test}[64]": "", f"{test}[128]": ""}, {f"{test}[64]": "skipped"}, {"test_other_cuda": "failure"}):
+        assert verdict(report(**cases)) == (1, []), cases
+    assert verdict(tmp_path / "missing.xml") == (1, [])
 
 
 def _wheel(folder: Path, dist: str, module: str, version: str, files: dict[str, str] | None = None) -> Path:
@@ -400,8 +434,8 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     status = {r["row"]: r for r in rows if r.get("benchmark") == "gpu_check" and "status" in r}
-    assert list(status) == ["env", "tests", "ours", "liger-off", "cache", "peer-install", "peer", "v4-memory", "long",
-                            "flex", "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-sdpa", "summary"]
+    assert list(status) == ["env", "tests", "ours", "liger-off", "sentinel", "cache", "peer-install", "peer", "v4-memory",
+                            "long", "flex", "eager", "mixed-sdpa", "mixed-flex", "recipe-batch", "recipe-sdpa", "summary"]
     assert status["env"]["status"] == "ok" and status["peer-install"]["status"] == "ok"
     assert rows[0]["row"] == "env" and rows[0]["liger"] == "0.0.1 (not used by EAGLE-3's loss)", rows[0]
     install = next(ln for ln in (out / "log.txt").read_text().splitlines() if ln.startswith("===== peer-install"))
@@ -412,7 +446,7 @@ def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path)
     # the peer's data was written by its own interpreter and its trainer ran: what stopped it is the stand-in
     assert ours["tokens_per_s"] > 0 and "stand-in peer trainer: reached" in ours["peer_note"], ours
     assert "writing the peer's data" not in ours["peer_note"], ours
-    for name in ("tests", "ours", "cache", "v4-memory", "long"):
+    for name in ("tests", "ours", "sentinel", "cache", "v4-memory", "long"):
         assert status[name]["status"] == "skipped" and "not selected" in status[name]["why"], status[name]
     # a rerun of one row into the same folder (as on a warm GPU machine) appends; its summary is that run's alone
     again = subprocess.run(["bash", script, str(out), "--smoke", "--rows", "env"], capture_output=True, text=True, env=env,
