@@ -13,8 +13,8 @@
 #              precision); --smoke collects them. Where the chain's merge through the CUDA flash kernel's log-sum-exp
 #              fails its test, every later row runs with DEEPSPEC_CHAIN_SENTINEL=1 (a note line in rows.jsonl says so)
 #   ours       Qwen3-8B-shaped EAGLE-3, DFlash and DSpark at 4,096 tokens, 8 micro-batches per optimizer step, from memory
-#   liger-off  EAGLE-3 as in `ours` with DEEPSPEC_LIGER=0: what Liger's fused loss gains (needs Liger-Kernel; CUDA only:
-#              --smoke skips it)
+#   liger-off  EAGLE-3 as in `ours` with DEEPSPEC_LIGER=0: what Liger's fused loss gains, by its rate (needs Liger-Kernel;
+#              CUDA only: --smoke skips it; no profile table, so OUT_DIR keeps to 8 files)
 #   sentinel   EAGLE-3 as in `ours` with DEEPSPEC_CHAIN_SENTINEL=1: what merging TTT steps 1-6 through the flash
 #              kernel's log-sum-exp gains over the sentinel call (skipped where the rows take the sentinel call already)
 #   cache      DFlash the same way, read from an on-disk cache through the trainer's reader and loader
@@ -170,7 +170,7 @@ elif ! "$PY" -c "import liger_kernel" >/dev/null 2>&1; then
   skip liger-off "Liger-Kernel is not installed (pass --peer-wheels DIR from benchmarks/peer_setup.sh --gpu-wheels): the ours row's EAGLE-3 ran the eager loss"
 else
   row liger-off "$L_LIGER" -- env DEEPSPEC_LIGER=0 "$PY" "$BENCH/bench_train.py" "${TRAIN[@]}" --algorithms eagle3 --no-peer \
-    --row-timeout "$ROW_S" --workdir "$WORK/train" --profile-dir "$OUT" --profile-tag liger-off --jsonl "$ROWS"
+    --row-timeout "$ROW_S" --workdir "$WORK/train" --no-profile --jsonl "$ROWS"
 fi
 
 if [ "${DEEPSPEC_CHAIN_SENTINEL:-0}" = 1 ]; then
