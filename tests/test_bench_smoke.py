@@ -225,6 +225,7 @@ def test_forked_runner_gives_each_script_its_own_process_and_exit(tmp_path):
     assert "ValueError: b broke" in res["b"]["err"] and res["c"]["err"] == ""
 
 
+@pytest.mark.slow  # its fixture runs every listed benchmark's smoke: ~100 s on 2 cores without AVX-512
 def test_run_all_fresh_interpreters_collect_the_same(smokes, tmp_path):
     """`run_all.py --smoke --fresh`: the same script in a new interpreter gives the same figures' names."""
     out = tmp_path / "fresh.json"

@@ -408,6 +408,7 @@ def _wheel(folder: Path, dist: str, module: str, version: str, files: dict[str, 
     return path
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_only_the_rows_named_and_refuses_an_unknown_one(tmp_path):
     """`--rows env,peer`: those rows run, every other row writes a "not selected" line in the usual order (so a rerun
     of the rows a GPU run missed leaves a complete rows.jsonl); a misspelt row is refused before anything runs. With
@@ -492,6 +493,7 @@ def test_the_peer_interpreter_may_be_a_name_on_path(monkeypatch, tmp_path):
     assert "no peer venv" in bench.peer_available(tmp_path / "venv" / "bin" / "python")
 
 
+@pytest.mark.slow
 def test_a_row_past_its_time_says_how_far_it_got(tmp_path):
     """A check's row runner tells bench_train when it will be killed (BENCH_TIME_LIMIT_S, benchmarks/_procs.py): its
     row's process stops in time for bench_train to write the row, whose error names the phases and the optimizer

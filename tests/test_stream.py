@@ -440,6 +440,7 @@ def test_deepseek_v4_flash_dflash_recipe_trains_streamed_on_tiny_mhc(tmp_path, m
     assert sum(1 for _ in _reads(spool)) == 4
 
 
+@pytest.mark.slow
 def test_a_trainer_stops_at_once_when_its_producer_fails(recipe):
     """Two local producers sharing a cap that cannot hold one sample each: they stop with their sentence, and the
     trainer stops with it too, at once, not after cache.stream_timeout_s."""
