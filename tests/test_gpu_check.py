@@ -367,7 +367,9 @@ def test_gpu_check_smoke_writes_every_row(tmp_path):
 def test_a_failed_flash_merge_test_sends_the_later_rows_to_the_sentinel_call(tmp_path):
     """The tests row's JUnit report read as gpu_check.sh reads it: a failure or an error of the chain merge's CUDA test
     (one of its parameters is enough) appends a note naming it and exits 0 (the script then exports
-    DEEPSPEC_CHAIN_SENTINEL=1); a pass, a skip, another test's failure, or no report at all exit 1."""
+    DEEPSPEC_CHAIN_SENTINEL=1); a pass, a skip, another test's failure, or no report and no earlier note exit 1. A
+    later call without a report (its --rows leave out `tests`) keeps an earlier call's fallback from rows.jsonl; one
+    whose own report passes does not."""
     script = ROOT / "benchmarks" / "_sentinel_fallback.py"
     test = "test_on_cuda_the_chain_merged_through_the_flash_lse_equals_the_reference"
 
@@ -378,9 +380,10 @@ def test_a_failed_flash_merge_test_sends_the_later_rows_to_the_sentinel_call(tmp
         path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
         return path
 
-    def verdict(xml: Path) -> tuple[int, list[dict]]:
+    def verdict(xml: Path, keep: bool = False) -> tuple[int, list[dict]]:
         rows = tmp_path / "rows.jsonl"
-        rows.write_text("")
+        if not keep:
+            rows.write_text("")
         proc = subprocess.run([sys.executable, str(script), str(xml), str(rows)], capture_output=True, text=True, timeout=60)
         return proc.returncode, [json.loads(x) for x in rows.read_text().splitlines()]
 
@@ -390,6 +393,11 @@ def test_a_failed_flash_merge_test_sends_the_later_rows_to_the_sentinel_call(tmp
     for cases in ({f"{test}[64]": "", f"{test}[128]": ""}, {f"{test}[64]": "skipped"}, {"test_other_cuda": "failure"}):
         assert verdict(report(**cases)) == (1, []), cases
     assert verdict(tmp_path / "missing.xml") == (1, [])
+    # a rerun of some rows into the same folder: no report of its own, the earlier note holds (and is not written twice)
+    verdict(report(**{f"{test}[64]": "failure"}))
+    code, notes = verdict(tmp_path / "missing.xml", keep=True)
+    assert code == 0 and len(notes) == 1 and notes[0]["eagle3_chain_fallback"] == [f"{test}[64]"]
+    assert verdict(report(**{f"{test}[64]": ""}), keep=True)[0] == 1  # this call's own passing report wins
 
 
 def _wheel(folder: Path, dist: str, module: str, version: str, files: dict[str, str] | None = None) -> Path:
