@@ -565,19 +565,24 @@ def _chain_state(cfg, draft, device) -> str | None:
     """How this row's EAGLE-3 TTT steps 1-6 merge their causal part with the diagonal (deepspec/drafts/attention.py
     `chain_attention`), as the row records it: the flash kernel's log-sum-exp, or the sentinel call where that kernel
     is missing for the device and dtype or DEEPSPEC_CHAIN_SENTINEL=1 asks for it (an A/B row, or a GPU where the
-    flash path failed its test). None for the block drafts."""
+    flash path failed its test), or where the flash merge disagreed with the sentinel call in its one-time check on
+    this GPU (deepspec/drafts/attention.py `merge_check`). None for the block drafts."""
     import torch
 
-    from deepspec.drafts.attention import flash_lse_ops
+    from deepspec.drafts.attention import flash_lse_ops, merge_check_failure
 
     if cfg.model.algorithm != "eagle3":
         return None
     att = draft.midlayer.self_attn
     dtype = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
-    if flash_lse_ops(torch.empty(1, att.num_heads, 1, att.head_dim, device=device, dtype=dtype)) is not None:
+    probe = torch.empty(1, att.num_heads, 1, att.head_dim, device=device, dtype=dtype)
+    if flash_lse_ops(probe) is not None:
         return "flash log-sum-exp"
     if os.environ.get("DEEPSPEC_CHAIN_SENTINEL", "0") == "1":
         return "sentinel call (DEEPSPEC_CHAIN_SENTINEL=1)"
+    why = merge_check_failure(probe.device, dtype, att.head_dim)
+    if why is not None:
+        return f"sentinel call (the flash merge disagreed with it on this GPU: {why})"
     return "sentinel call (no flash kernel with a log-sum-exp for this device and dtype)"
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -307,20 +309,60 @@ def test_chain_attention_bf16_error_stays_near_the_dense_kernels():
     assert (new - exact).abs().max() < 2.5 * (dense - exact).abs().max()
 
 
+def test_the_merge_check_passes_the_cpu_kernel_and_catches_a_wrong_lse_or_backward(monkeypatch, caplog):
+    """`merge_check` (run once per GPU, dtype and head dim before the chain takes the CUDA flash kernel's log-sum-exp),
+    tried here on the CPU kernel: it passes in fp32, bf16 and fp16; a log-sum-exp off by the log2 / ln factor, or a
+    backward that halves dv, is caught, named, logged once and remembered; FLOP counters and autocast around it
+    see nothing of it."""
+    import logging
+
+    from deepspec.drafts import attention as att
+    from deepspec.train.flops import count_flops
+
+    monkeypatch.setattr(att, "_MERGE_CHECKS", {})
+    cpu = torch.device("cpu")
+    good = (att._cpu_flash_forward, att._cpu_flash_backward)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert att.merge_check(good, cpu, dtype, 64) is None, dtype
+
+    def log2_lse(q, k, v, scale):
+        out, lse, state = att._cpu_flash_forward(q, k, v, scale)
+        return out, lse / math.log(2), state
+
+    def half_dv(grad, q, k, v, out, lse, extra, scale):
+        dq, dk, dv = att._cpu_flash_backward(grad, q, k, v, out, lse, extra, scale)
+        return dq, dk, dv / 2
+
+    with caplog.at_level(logging.WARNING, logger="deepspec.drafts.attention"):
+        wrong_lse = att.merge_check((log2_lse, good[1]), cpu, torch.bfloat16, 32)
+        wrong_dv = att.merge_check((good[0], half_dv), cpu, torch.bfloat16, 48)
+        assert att.merge_check((good[0], half_dv), cpu, torch.bfloat16, 48) == wrong_dv  # remembered, not rerun
+    assert wrong_lse.startswith("output differs") and wrong_dv.startswith("dv0 differs"), (wrong_lse, wrong_dv)
+    assert [r.getMessage().count("takes the sentinel call") for r in caplog.records] == [1, 1]
+    assert att.merge_check_failure(cpu, torch.bfloat16, 48) == wrong_dv and att.merge_check_failure(cpu, torch.float32, 64) is None
+
+    monkeypatch.setattr(att, "_MERGE_CHECKS", {})
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a training step's autocast: the check runs outside it
+        count = count_flops(lambda: att.merge_check(good, cpu, torch.float32, 64))
+    assert att.merge_check_failure(cpu, torch.float32, 64) is None
+    assert count.total == 0 and not count.by_op, count.by_op  # the FLOP counter's mode was off during the check
+    assert list(att._MERGE_CHECKS) == [("cpu", torch.float32, 64)]
+
+
 @pytest.mark.cuda(reason="the CUDA flash kernel's log-sum-exp and backward")
 @pytest.mark.parametrize("d", [64, 128])
 def test_on_cuda_the_chain_merged_through_the_flash_lse_equals_the_reference(d):
     """bf16 on CUDA, packed and bucketed rows, grouped-query heads, TTT step 3: the chain merged through the flash
     kernel's log-sum-exp (its backward handed the merged output) is as close to the exact attention of the same bf16
     inputs as the sentinel call is, values and gradients."""
-    from deepspec.drafts.attention import flash_lse_ops
+    from deepspec.drafts.attention import flash_lse_ops, merge_check_failure
 
     torch.manual_seed(0)
     dev, b, h, hk, t = "cuda", 2, 8, 2, 301
     make = lambda *shape: (torch.randn(*shape, device=dev) * 2).bfloat16().requires_grad_()  # noqa: E731
     q, k0, v0 = make(b, h, t, d), make(b, hk, t, d), make(b, hk, t, d)
     diag = [(make(b, hk, t, d), make(b, hk, t, d)) for _ in range(3)]
-    assert flash_lse_ops(q) is not None
+    assert flash_lse_ops(q) is not None, merge_check_failure(q.device, q.dtype, d)  # its one-time check passed here
     seg = torch.zeros(b, t, dtype=torch.long, device=dev)
     seg[0, 120:] = 1
     seg[1, 280:] = -1

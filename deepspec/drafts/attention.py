@@ -14,8 +14,8 @@ chunk's mask and kernel output are rebuilt in backward (`recompute`), so a layer
 
 The TTT chain: the small part (the diagonal, k keys per row) is computed in fp32 (`ChainParts`: compiled regions
 under `train.compile`); the large part (the causal keys) is one flash-kernel call per sample. Where the flash kernel
-returns its log-sum-exp to us (PyTorch's CPU kernel; its CUDA one in bf16 / fp16 on sm80+: `flash_lse_ops`) and no
-window bites, the two parts merge in fp32 through their log-sum-exps, and the backward is blockwise attention's: the
+returns its log-sum-exp to us (PyTorch's CPU kernel; its CUDA one in bf16 / fp16 on sm80+, once `merge_check` has
+seen it agree with the sentinel call on that GPU: `flash_lse_ops`) and no window bites, the two parts merge in fp32 through their log-sum-exps, and the backward is blockwise attention's: the
 flash kernel's own backward handed the *merged* output and log-sum-exp gives the causal part's gradients exactly, and
 the diagonal's follow the same formula by hand (`_ChainFlash`). Elsewhere (CUDA in fp32, a sliding window that bites)
 they merge *inside* one SDPA call, which returns no log-sum-exp: a sentinel key whose score is the small part's
@@ -393,8 +393,9 @@ def _cuda_flash_backward(grad, q, k, v, out, lse, extra, scale):
 def flash_lse_ops(q: torch.Tensor):
     """(forward, backward) of the flash kernel for q's device and dtype that returns the log-sum-exp the chain merges
     with, or None where it has none (the chain then takes the sentinel call): PyTorch's CPU flash kernel (any float
-    dtype; also on the meta device), its CUDA one in bf16 / fp16 on sm80+ with head dims it takes. Both take grouped
-    query heads as they are. DEEPSPEC_CHAIN_SENTINEL=1 turns this path off (A/B runs, or a GPU where it fails)."""
+    dtype; also on the meta device), its CUDA one in bf16 / fp16 on sm80+ with head dims it takes, once it has agreed
+    with the sentinel call on this GPU (`merge_check`). Both take grouped query heads as they are.
+    DEEPSPEC_CHAIN_SENTINEL=1 turns this path off (A/B runs)."""
     if os.environ.get("DEEPSPEC_CHAIN_SENTINEL", "0") == "1":
         return None
     dev = q.device.type
@@ -403,7 +404,84 @@ def flash_lse_ops(q: torch.Tensor):
     if (dev == "cuda" and torch.version.hip is None and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
             and torch.cuda.get_device_capability(q.device) >= (8, 0)):
-        return _cuda_flash_forward, _cuda_flash_backward
+        ops = (_cuda_flash_forward, _cuda_flash_backward)
+        return ops if merge_check(ops, q.device, q.dtype, q.shape[-1]) is None else None
+    return None
+
+
+_MERGE_CHECKS: dict[tuple, str | None] = {}
+_MERGE_TOL = 0.02  # mean |diff| over mean |value|: bf16 rounding keeps the two paths ~0.5% apart, a wrong merge O(1)
+
+
+def merge_check(ops, device: torch.device, dtype: torch.dtype, d: int) -> str | None:
+    """Once per process and (device, dtype, head dim): the chain merged through `ops`' log-sum-exp against the
+    sentinel call on a small random input (TTT step 2, grouped-query heads, two packed samples), outputs and input
+    gradients. None where they agree; else why not, logged once, and the chain keeps to the sentinel call there.
+
+    Why: the flash ops are PyTorch's private aten ops (`_scaled_dot_product_flash_attention[_backward]`), whose
+    log-sum-exp layout or backward contract a torch version or a GPU could change under us; a merge that went wrong
+    would train on wrong gradients without a sound. A few milliseconds once, outside any autocast, dispatch mode
+    (FLOP and launch counters) or compiled graph, on a generator of its own."""
+    key = (str(device), dtype, d)
+    if key in _MERGE_CHECKS:
+        return _MERGE_CHECKS[key]
+    if torch.compiler.is_compiling():  # checked on the first eager call; a traced one takes the path unchecked
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), no_autocast(torch.device(device).type), torch.enable_grad():
+        try:
+            why = _merge_disagreement(ops, torch.device(device), dtype, d)
+        except Exception as e:  # noqa: BLE001 - a kernel that refuses the call is a disagreement too
+            why = f"{type(e).__name__}: {e}"
+    _MERGE_CHECKS[key] = why
+    if why is not None:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "EAGLE-3's TTT attention: merging through the flash kernel's log-sum-exp on %s (%s, head dim %d) disagrees "
+            "with the sentinel call (%s); the chain takes the sentinel call here (slower on CUDA, the same attention)",
+            device, dtype, d, why)
+    return why
+
+
+def merge_check_failure(device: torch.device | str, dtype: torch.dtype, d: int) -> str | None:
+    """Why `merge_check` kept the chain off the flash log-sum-exp on (device, dtype, head dim), if it did (for the
+    records a benchmark row keeps)."""
+    return _MERGE_CHECKS.get((str(device), dtype, d))
+
+
+def _merge_disagreement(ops, device: torch.device, dtype: torch.dtype, d: int) -> str | None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, h, hk, t, step = 1, 4, 2, 96, 2
+
+    def make(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 2).to(device=device, dtype=dtype).requires_grad_()
+
+    q, k0, v0 = make(b, h, t, d), make(b, hk, t, d), make(b, hk, t, d)
+    diag = [(make(b, hk, t, d), make(b, hk, t, d)) for _ in range(step)]
+    leaves = [q, k0, v0, *[x for kv in diag for x in kv]]
+    ranges: list[Range] = [(0, 0, 40), (0, 40, t)]  # two packed samples
+    w = torch.randn(b, h, t, d, generator=g).to(device)
+    results = []
+    for sentinel in (False, True):
+        kd = torch.stack([x[0] for x in diag], dim=3)
+        vd = torch.stack([x[1] for x in diag], dim=3)
+        if sentinel:
+            out = chain_attention(q, k0, v0, diag, ranges, sentinel=True)
+        else:
+            out = _over_ranges(lambda a, b_, c, e, f: _ChainFlash.apply(a, b_, c, e, f, 1.0 / math.sqrt(d), None,
+                                                                        _EAGER_PARTS, ops, False),
+                               ranges, [q, k0, v0, kd, vd], d)
+        grads = torch.autograd.grad((out.float() * w).sum(), leaves)
+        results.append([out.detach().float(), *[x.float() for x in grads]])
+    for name, new, ref in zip(["output", "dq", "dk0", "dv0", *[f"d{kv}{j}" for j in range(1, step + 1) for kv in "kv"]],
+                              *results):
+        if not torch.isfinite(new).all():
+            return f"{name} not finite"
+        err, size = (new - ref).abs().mean().item(), ref.abs().mean().item()
+        if err > _MERGE_TOL * size + 1e-6:  # bf16 rounding puts the two within ~0.5% of each other; a wrong merge at O(1)
+            return f"{name} differs: mean |diff| {err:.3g} against mean |value| {size:.3g}"
     return None
 
 
