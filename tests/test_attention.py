@@ -342,11 +342,26 @@ def test_the_merge_check_passes_the_cpu_kernel_and_catches_a_wrong_lse_or_backwa
     assert att.merge_check_failure(cpu, torch.bfloat16, 48) == wrong_dv and att.merge_check_failure(cpu, torch.float32, 64) is None
 
     monkeypatch.setattr(att, "_MERGE_CHECKS", {})
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # a training step's autocast: the check runs outside it
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # a validation step's: the check runs outside
         count = count_flops(lambda: att.merge_check(good, cpu, torch.float32, 64))
     assert att.merge_check_failure(cpu, torch.float32, 64) is None
     assert count.total == 0 and not count.by_op, count.by_op  # the FLOP counter's mode was off during the check
     assert list(att._MERGE_CHECKS) == [("cpu", torch.float32, 64)]
+
+    # first reached inside an activation checkpoint's forward (a layer under model.activation_checkpointing): the
+    # check's own graph must not go through the checkpoint's hooks (it did, and failed the check with CheckpointError)
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(att, "_MERGE_CHECKS", {})
+    seen = []
+
+    def layer(x):
+        seen.append(att.merge_check(good, cpu, torch.float32, 64))
+        return x * x  # saves x: the backward recomputes the layer
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert seen == [None, None] and torch.allclose(x.grad, 2 * x)  # forward and recompute, both passed
 
 
 @pytest.mark.cuda(reason="the CUDA flash kernel's log-sum-exp and backward")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -423,20 +424,27 @@ def merge_check(ops, device: torch.device, dtype: torch.dtype, d: int) -> str | 
 
     Why: the flash ops are PyTorch's private aten ops (`_scaled_dot_product_flash_attention[_backward]`), whose
     log-sum-exp layout or backward contract a torch version or a GPU could change under us; a merge that went wrong
-    would train on wrong gradients without a sound. A few milliseconds once, outside any autocast, dispatch mode
-    (FLOP and launch counters) or compiled graph, on a generator of its own."""
+    would train on wrong gradients without a sound. A few milliseconds once, on a generator of its own, never while
+    compiling, and in a thread of its own: autocast, grad mode, dispatch modes (the FLOP and launch counters) and an
+    activation checkpoint's saved-tensor hooks are per thread, and the caller's (a training forward's) must neither
+    shape the check nor see it (under a checkpoint the check's own backward broke the checkpoint's count)."""
     key = (str(device), dtype, d)
     if key in _MERGE_CHECKS:
         return _MERGE_CHECKS[key]
     if torch.compiler.is_compiling():  # checked on the first eager call; a traced one takes the path unchecked
         return None
-    from torch.utils._python_dispatch import _disable_current_modes
+    box: list[str | None] = []
 
-    with _disable_current_modes(), no_autocast(torch.device(device).type), torch.enable_grad():
+    def run() -> None:
         try:
-            why = _merge_disagreement(ops, torch.device(device), dtype, d)
+            box.append(_merge_disagreement(ops, torch.device(device), dtype, d))
         except Exception as e:  # noqa: BLE001 - a kernel that refuses the call is a disagreement too
-            why = f"{type(e).__name__}: {e}"
+            box.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=run, name="deepspec-merge-check", daemon=True)
+    thread.start()
+    thread.join()
+    why = box[0] if box else "the check did not finish"
     _MERGE_CHECKS[key] = why
     if why is not None:
         import logging
@@ -455,6 +463,8 @@ def merge_check_failure(device: torch.device | str, dtype: torch.dtype, d: int) 
 
 
 def _merge_disagreement(ops, device: torch.device, dtype: torch.dtype, d: int) -> str | None:
+    """`merge_check`'s comparison (in its own thread: no autocast, grad on, no dispatch mode): None, or the first
+    output or gradient where the two paths differ."""
     g = torch.Generator(device="cpu").manual_seed(0)
     b, h, hk, t, step = 1, 4, 2, 96, 2
 
