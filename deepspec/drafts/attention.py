@@ -478,14 +478,7 @@ def _merge_disagreement(ops, device: torch.device, dtype: torch.dtype, d: int) -
     w = torch.randn(b, h, t, d, generator=g).to(device)
     results = []
     for sentinel in (False, True):
-        kd = torch.stack([x[0] for x in diag], dim=3)
-        vd = torch.stack([x[1] for x in diag], dim=3)
-        if sentinel:
-            out = chain_attention(q, k0, v0, diag, ranges, sentinel=True)
-        else:
-            out = _over_ranges(lambda a, b_, c, e, f: _ChainFlash.apply(a, b_, c, e, f, 1.0 / math.sqrt(d), None,
-                                                                        _EAGER_PARTS, ops, False),
-                               ranges, [q, k0, v0, kd, vd], d)
+        out = chain_attention(q, k0, v0, diag, ranges, sentinel=sentinel, flash_ops=ops)
         grads = torch.autograd.grad((out.float() * w).sum(), leaves)
         results.append([out.detach().float(), *[x.float() for x in grads]])
     for name, new, ref in zip(["output", "dq", "dk0", "dv0", *[f"d{kv}{j}" for j in range(1, step + 1) for kv in "kv"]],
@@ -562,11 +555,14 @@ def chain_attention(
     buckets: bool = False,
     parts: ChainParts | None = None,
     sentinel: bool = False,
+    flash_ops=None,
 ) -> torch.Tensor:
     """TTT step k = len(diag) attention. q [B,h,T,d] (row r at position r+k); k0/v0 [B,hk,T,d] step-0 keys
     (row s at position s); diag: (k_j, v_j) [B,hk,T,d] of steps j = 1..k for each row itself (position r+j).
     ranges: the batch's samples (deepspec.drafts.plan.sample_ranges); buckets: causal calls padded to bucket lengths;
-    parts: the draft's ChainParts (compiled regions under train.compile), else eager ones. Returns [B, h, T, d].
+    parts: the draft's ChainParts (compiled regions under train.compile), else eager ones; flash_ops: the flash
+    kernel's (forward, backward) to merge through instead of `flash_lse_ops(q)`'s (`merge_check` passes the ones it
+    checks). Returns [B, h, T, d].
 
     Steps k >= 1 merge the causal part with the diagonal through the flash kernel's log-sum-exp where it has one
     (`flash_lse_ops`) and the window does not bite; else (or with `sentinel`) through the sentinel call, whose 8
@@ -579,7 +575,10 @@ def chain_attention(
     parts = parts if parts is not None else _EAGER_PARTS
     kd = torch.stack([x[0] for x in diag], dim=3)  # [B, hk, T, k, d]
     vd = torch.stack([x[1] for x in diag], dim=3)
-    ops = None if sentinel or (window is not None and window < q.shape[2] + step) else flash_lse_ops(q)
+    if sentinel or (window is not None and window < q.shape[2] + step):
+        ops = None
+    else:
+        ops = flash_ops if flash_ops is not None else flash_lse_ops(q)
     if ops is not None:
         return _over_ranges(lambda a, b, c, e, f: _ChainFlash.apply(a, b, c, e, f, scale, window, parts, ops, buckets),
                             ranges, [q, k0, v0, kd, vd], d)
