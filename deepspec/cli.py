@@ -31,7 +31,7 @@ STAGES: list[tuple[tuple[str, ...], str, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepspec",
-        description="Train, evaluate and export speculative-decoding draft models (EAGLE-3/3.1, DFlash, DSpark).",
+        description="Train, evaluate and export speculative-decoding draft models (EAGLE-3/3.1, DFlash, DFlash2, DSpark).",
         epilog="Stages: data prompts -> data regenerate -> data cache -> train -> eval -> export; `run` chains them.",
     )
     parser.add_argument("--version", action="version", version=f"deepspec {__version__}")

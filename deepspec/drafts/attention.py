@@ -436,8 +436,13 @@ def merge_check(ops, device: torch.device, dtype: torch.dtype, d: int) -> str | 
     box: list[str | None] = []
 
     def run() -> None:
+        dev = torch.device(device)
+        # the current CUDA device is per thread too: a new one starts on cuda:0, where any unguarded call would open a
+        # context of every rank's process (~0.5 GB each) on the first GPU
+        guard = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         try:
-            box.append(_merge_disagreement(ops, torch.device(device), dtype, d))
+            with guard:
+                box.append(_merge_disagreement(ops, dev, dtype, d))
         except Exception as e:  # noqa: BLE001 - a kernel that refuses the call is a disagreement too
             box.append(f"{type(e).__name__}: {e}")
 
