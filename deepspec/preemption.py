@@ -16,6 +16,9 @@ its reader polls `pending()` and gives up with `WaitPreempted`. The other ranks 
 enter the step's collectives, where they would wait for this rank for good; so for such datasets every micro-batch's
 fetch is followed by one vote (`WaitVote`), taken before any of the step's collectives: all ranks learn together that
 one of them stopped waiting, and the loop writes the checkpoint of its last finished step as at a step boundary.
+A rank whose data came waits in that vote for as long as the other may wait for its own (`VOTE_MARGIN_S` more): the
+vote's group outlasts the dataset's timeout, so the rank that waits ends with its own sentence (which sample, which
+producers) and never the others first with gloo's timeout, whose 30-minute default used to cap cache.stream_timeout_s.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ log = get_logger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 GRACE_ENV = "DEEPSPEC_PREEMPT_GRACE_S"
 DEFAULT_GRACE_S = 120
+# how much longer than a dataset's own wait (its `timeout_s`) a rank holding its data waits in the vote for the others:
+# the rank that waits raises its timeout first even when its wait began a step's compute after the vote's
+VOTE_MARGIN_S = 600.0
 
 
 def grace_seconds() -> int:
@@ -123,7 +129,11 @@ class PreemptionWatch:
     def wait_vote(self, batches, dataset):
         """`batches` with a vote after each fetch when `dataset` may wait for its data (`dataset.waits`: the spool of
         a streamed run), else `batches` unchanged: no collective added where no read can stall."""
-        return WaitVote(batches, self) if getattr(dataset, "waits", False) else batches
+        if not getattr(dataset, "waits", False):
+            return batches
+        if self._multi:  # collective: every rank wraps its loader here, at the same point
+            self._group = _vote_group(getattr(dataset, "timeout_s", None))
+        return WaitVote(batches, self)
 
     def stop(self, step: int, save: Callable[[], object]) -> None:
         """Write the checkpoint of `step` (every rank; `save` is a no-op when it exists), log one line, raise Preempted."""
@@ -142,6 +152,20 @@ class PreemptionWatch:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous = {}
+
+
+def _vote_group(wait_s: float | None):
+    """A gloo group for the votes of a run whose reads wait up to `wait_s` seconds: its timeout is that wait plus
+    VOTE_MARGIN_S, and never under torch's default."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    timeout = default_pg_timeout
+    if wait_s is not None:
+        timeout = max(timeout, datetime.timedelta(seconds=float(wait_s) + VOTE_MARGIN_S))
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class WaitVote:

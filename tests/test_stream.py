@@ -310,6 +310,57 @@ def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool
     assert time.monotonic() - t0 < 10 and [o.strip() for o, _ in outs] == ["stopped", "stopped"], outs
 
 
+_OUTWAITED_RANK = """
+import datetime, os, sys
+from types import SimpleNamespace as NS
+import torch.distributed as dist
+from deepspec.data.stream import spool as sp
+from deepspec.data.stream.channel import FileChannel
+from deepspec.data.batches import Prefetcher
+from deepspec.preemption import PreemptionWatch
+rank, spool = int(os.environ["RANK"]), sys.argv[1]
+# the group's timeout (2 s) shorter than the spool's wait (5 s): as gloo's 30-minute default under a longer
+# cache.stream_timeout_s
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)
+ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=5)
+watch = PreemptionWatch(rank == 0)
+batches = watch.wait_vote(Prefetcher(ds, lambda items: items, [(0, 0, [rank])], 1), ds)
+try:
+    next(batches)
+    print("read", flush=True)
+except Exception as e:
+    print(type(e).__name__, str(e).replace(chr(10), " ")[:300], flush=True)
+    os._exit(1)
+"""
+
+
+def test_a_rank_holding_its_data_outwaits_the_rank_that_waits_for_the_spool(tmp_path):
+    """The same two ranks, no signal: rank 1 waits out the spool's timeout and stops with its own sentence (which
+    sample, what the producers did). Rank 0, in the vote meanwhile, must not give up first on the process group's
+    timeout - here 2 s against the spool's 5 s, as gloo's 30-minute default against a longer cache.stream_timeout_s,
+    which it did while the vote went over the default group: the vote's group outlasts the dataset's wait."""
+    from deepspec.data.cache import format as fmt
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
+
+    data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
+    sp.write_record(FileChannel(tmp_path), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _OUTWAITED_RANK, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0].strip() for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    waited, held = outs[1], outs[0]
+    assert waited.startswith("CacheError Sample 1 ('s1') did not reach the spool"), outs
+    assert "no producer has started" in waited, outs
+    assert "Timed out" not in held and "timed out" not in held.lower(), outs  # rank 0 gave up only once rank 1 was gone
+
+
 def _free_port() -> int:
     import socket
 
