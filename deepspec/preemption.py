@@ -18,7 +18,8 @@ fetch is followed by one vote (`WaitVote`), taken before any of the step's colle
 one of them stopped waiting, and the loop writes the checkpoint of its last finished step as at a step boundary.
 A rank whose data came waits in that vote for as long as the other may wait for its own (`VOTE_MARGIN_S` more): the
 vote's group outlasts the dataset's timeout, so the rank that waits ends with its own sentence (which sample, which
-producers) and never the others first with gloo's timeout, whose 30-minute default used to cap cache.stream_timeout_s.
+producers) and never the others first on the group's timeout (gloo's default, 30 minutes, under a longer
+cache.stream_timeout_s).
 """
 
 from __future__ import annotations

@@ -260,20 +260,22 @@ def test_a_killed_producer_is_replaced_and_a_sigterm_while_waiting_for_a_paused_
     _assert_each_sample_once_per_epoch(cfg, spool)
 
 
-_WAITING_RANK = """
-import os, sys
+_SPOOL_RANK = """
+import datetime, os, sys
 from types import SimpleNamespace as NS
 import torch, torch.distributed as dist
 from deepspec.data.stream import spool as sp
 from deepspec.data.stream.channel import FileChannel
 from deepspec.data.batches import Prefetcher
 from deepspec.preemption import PreemptionWatch, WaitPreempted
-rank, spool = int(os.environ["RANK"]), sys.argv[1]
-dist.init_process_group("gloo")
+rank, spool, wait_s, group_s = int(os.environ["RANK"]), sys.argv[1], float(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", **({"timeout": datetime.timedelta(seconds=float(group_s))} if group_s else {}))
 plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)
-ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=60)
+ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=wait_s)
 watch = PreemptionWatch(rank == 0)
 batches = watch.wait_vote(Prefetcher(ds, lambda items: items, [(0, 0, [rank])], 1), ds)  # read in a loader thread
+"""
+_WAITING_RANK = _SPOOL_RANK + """
 try:
     next(batches)
     dist.all_reduce(torch.ones(1))  # the step's gradient all-reduce
@@ -281,21 +283,35 @@ try:
 except WaitPreempted:
     print("stopped", flush=True)
 """
+_OUTWAITED_RANK = _SPOOL_RANK + """
+try:
+    next(batches)
+    print("read", flush=True)
+except Exception as e:
+    print(type(e).__name__, str(e).replace(chr(10), " ")[:300], flush=True)
+    os._exit(1)
+"""
+
+
+def _spool_ranks(spool: Path, script: str, wait_s: float, group_s: str = "") -> list[subprocess.Popen]:
+    """Ranks 0 and 1 (gloo) running `script` on a spool that holds sample 0 only: rank 0 has its data, rank 1 waits
+    for sample 1 up to `wait_s`; `group_s`, the process group's timeout (empty: torch's default)."""
+    from deepspec.data.cache import format as fmt
+    from deepspec.data.stream import spool as sp
+    from deepspec.data.stream.channel import FileChannel
+
+    data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
+    sp.write_record(FileChannel(spool), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    return [subprocess.Popen([sys.executable, "-c", script, str(spool), str(wait_s), group_s], env={**env, "RANK": str(r)},
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
 
 
 def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool(tmp_path):
     """2 gloo ranks read sample 0 and 1 from a spool that holds only sample 0: rank 0 has its data, rank 1 waits. SIGTERM
     to rank 1 alone ends its wait, and rank 0, which would otherwise enter the step's all-reduce and wait there for
     rank 1 for good, learns it from the vote after its fetch: both stop, at the same micro-batch, in seconds."""
-    from deepspec.data.cache import format as fmt
-    from deepspec.data.stream import spool as sp
-    from deepspec.data.stream.channel import FileChannel
-
-    data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
-    sp.write_record(FileChannel(tmp_path), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    ranks = _spool_ranks(tmp_path, _WAITING_RANK, 60)
     try:
         _wait(lambda: (tmp_path / "ledger.0.jsonl").exists(), 60, "rank 0 to read its sample")  # rank 1 is waiting
         time.sleep(1.0)
@@ -310,45 +326,12 @@ def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool
     assert time.monotonic() - t0 < 10 and [o.strip() for o, _ in outs] == ["stopped", "stopped"], outs
 
 
-_OUTWAITED_RANK = """
-import datetime, os, sys
-from types import SimpleNamespace as NS
-import torch.distributed as dist
-from deepspec.data.stream import spool as sp
-from deepspec.data.stream.channel import FileChannel
-from deepspec.data.batches import Prefetcher
-from deepspec.preemption import PreemptionWatch
-rank, spool = int(os.environ["RANK"]), sys.argv[1]
-# the group's timeout (2 s) shorter than the spool's wait (5 s): as gloo's 30-minute default under a longer
-# cache.stream_timeout_s
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
-plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)
-ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=5)
-watch = PreemptionWatch(rank == 0)
-batches = watch.wait_vote(Prefetcher(ds, lambda items: items, [(0, 0, [rank])], 1), ds)
-try:
-    next(batches)
-    print("read", flush=True)
-except Exception as e:
-    print(type(e).__name__, str(e).replace(chr(10), " ")[:300], flush=True)
-    os._exit(1)
-"""
-
-
 def test_a_rank_holding_its_data_outwaits_the_rank_that_waits_for_the_spool(tmp_path):
     """The same two ranks, no signal: rank 1 waits out the spool's timeout and stops with its own sentence (which
     sample, what the producers did). Rank 0, in the vote meanwhile, must not give up first on the process group's
     timeout - here 2 s against the spool's 5 s, as gloo's 30-minute default against a longer cache.stream_timeout_s,
     which it did while the vote went over the default group: the vote's group outlasts the dataset's wait."""
-    from deepspec.data.cache import format as fmt
-    from deepspec.data.stream import spool as sp
-    from deepspec.data.stream.channel import FileChannel
-
-    data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
-    sp.write_record(FileChannel(tmp_path), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, "-c", _OUTWAITED_RANK, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    ranks = _spool_ranks(tmp_path, _OUTWAITED_RANK, 5, "2")
     try:
         outs = [p.communicate(timeout=120)[0].strip() for p in ranks]
     finally:
