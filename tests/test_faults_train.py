@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import outputs, start_ranks
 from tiny_recipe import max_weight_diff, step_weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -436,3 +437,39 @@ def test_full_disk_while_checkpointing_and_exporting_keeps_the_previous_ones_and
     exported = _cli_limited(60_000, "export", str(run_dir / "step_4"), "--out", str(out), "--dtype", "float32")
     assert exported.returncode == 2 and "No room to write the export" in exported.stderr, exported.stderr[-3000:]
     assert not out.exists() and not list(run_dir.glob(".export-vllm.tmp*"))
+
+
+_SLOW_SAVE = """
+import datetime, os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from deepspec.train.checkpoint import save_checkpoint
+rank, run_dir = int(os.environ["RANK"]), Path(sys.argv[1])
+# a process-group timeout (2 s) shorter than rank 0's write (5 s): as NCCL's 10 minutes against a large checkpoint on a
+# slow shared filesystem
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+def write_draft(directory, weights):
+    time.sleep(5)
+    torch.save(weights, directory / "weights.pt")
+
+try:
+    final = save_checkpoint(run_dir, 1, weights=model.state_dict() if rank == 0 else None, write_draft=write_draft,
+                            optimizer=optimizer, model=model, scheduler=scheduler, trainer_state={}, sharded=False,
+                            save_config=lambda d: None, keep_last=2)
+    print("saved", final.name, flush=True)
+except Exception as e:
+    print(type(e).__name__, str(e).replace(chr(10), " ")[:300], flush=True)
+"""
+
+
+def test_ranks_wait_on_the_host_while_rank_0_writes_a_slow_checkpoint(tmp_path):
+    """Two gloo ranks save a checkpoint; rank 0's write takes 5 s, longer than the process group's 2 s timeout. Rank 1
+    waits for it on the host (a gloo group of up to 2 hours) instead of timing out in the group's barrier: both return
+    step_1, written whole. (NCCL's watchdog would abort a training job mid-save so, at every later save again.)"""
+    outs = outputs(start_ranks(_SLOW_SAVE, str(tmp_path / "run"), env=_env()), 120)
+    assert outs == ["saved step_1", "saved step_1"], outs
+    assert (tmp_path / "run" / "step_1" / "weights.pt").is_file() and not (tmp_path / "run" / "step_1.tmp").exists()

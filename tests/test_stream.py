@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from gloo_ranks import outputs, start_ranks
 from tiny_recipe import conversation, step_weights  # the trainer tests' conversations and saved weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,9 +303,7 @@ def _spool_ranks(spool: Path, script: str, wait_s: float, group_s: str = "") -> 
 
     data = bytes(fmt.record_nbytes(4, 2, 8, "fp32"))
     sp.write_record(FileChannel(spool), 0, "s0", data, length=4, n_layers=2, hidden=8, dtype="fp32", truncated=False, producer=0)
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    return [subprocess.Popen([sys.executable, "-c", script, str(spool), str(wait_s), group_s], env={**env, "RANK": str(r)},
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    return start_ranks(script, str(spool), str(wait_s), group_s, env=_env())
 
 
 def test_a_rank_that_holds_its_data_stops_with_the_rank_that_waits_for_the_spool(tmp_path):
@@ -331,13 +330,7 @@ def test_a_rank_holding_its_data_outwaits_the_rank_that_waits_for_the_spool(tmp_
     sample, what the producers did). Rank 0, in the vote meanwhile, must not give up first on the process group's
     timeout - here 2 s against the spool's 5 s, as gloo's 30-minute default against a longer cache.stream_timeout_s,
     which it did while the vote went over the default group: the vote's group outlasts the dataset's wait."""
-    ranks = _spool_ranks(tmp_path, _OUTWAITED_RANK, 5, "2")
-    try:
-        outs = [p.communicate(timeout=120)[0].strip() for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
+    outs = outputs(_spool_ranks(tmp_path, _OUTWAITED_RANK, 5, "2"), 120)
     waited, held = outs[1], outs[0]
     assert waited.startswith("CacheError Sample 1 ('s1') did not reach the spool"), outs
     assert "no producer has started" in waited, outs

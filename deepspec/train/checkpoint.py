@@ -28,6 +28,7 @@ from torch import nn
 from deepspec.diskfull import room_for, tensor_bytes
 from deepspec.errors import CheckpointError
 from deepspec.log import get_logger
+from deepspec.train.dist import host_barrier
 
 log = get_logger(__name__)
 
@@ -201,11 +202,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -232,7 +228,7 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    host_barrier()
     rngs: list[Any] = [None] * _world()
     if dist.is_initialized() and _world() > 1:
         dist.all_gather_object(rngs, rng_state())
@@ -265,7 +261,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         write_pointer(run_dir, "step_latest", final.name)
         prune(run_dir, keep_last)
-    _barrier()
+    host_barrier()  # rank 0 alone may write for long (a shared filesystem): the others wait on the host
     return final
 
 

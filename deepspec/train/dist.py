@@ -7,6 +7,7 @@ the collectives below work unchanged. NCCL on GPU, gloo on CPU.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ def init_distributed() -> DistInfo:
 
 
 def teardown(info: DistInfo) -> None:
+    global _HOST
+    _HOST = None
     if info.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -83,6 +86,20 @@ def reduce_metrics(sums: dict[str, Any], device: torch.device) -> dict[str, floa
     return {k: (float(t[i, 0] / t[i, 1]) if float(t[i, 1]) > 0 else float("nan")) for i, k in enumerate(keys)}
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+# Ranks that wait while one of them does slow host work alone (rank 0 writing a checkpoint) wait on the host, over gloo,
+# up to this long: NCCL's watchdog aborts a collective after its default 10 minutes, and a large checkpoint written to
+# a slow shared filesystem can take longer (and would again at the next save after every resume). A rank that dies
+# meanwhile is noticed at once: its peers' sockets close.
+HOST_WAIT = datetime.timedelta(hours=2)
+_HOST: tuple[Any, Any] | None = None  # (the default group it was made for, its gloo group)
+
+
+def host_barrier() -> None:
+    """Every rank waits for the others on the host (a gloo group made once per process group, HOST_WAIT)."""
+    global _HOST
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    world = dist.group.WORLD
+    if _HOST is None or _HOST[0] is not world:
+        _HOST = (world, dist.new_group(backend="gloo", timeout=HOST_WAIT))  # collective: every rank is here
+    dist.barrier(group=_HOST[1])
