@@ -39,7 +39,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 GRACE_ENV = "DEEPSPEC_PREEMPT_GRACE_S"
 DEFAULT_GRACE_S = 120
 # how much longer than a dataset's own wait (its `timeout_s`) a rank holding its data waits in the vote for the others:
-# the rank that waits raises its timeout first even when its wait began a step's compute after the vote's
+# the waiting rank's own timeout comes first even where its wait began up to a step's compute after the others voted
 VOTE_MARGIN_S = 600.0
 
 
