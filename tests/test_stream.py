@@ -337,20 +337,13 @@ def test_a_rank_holding_its_data_outwaits_the_rank_that_waits_for_the_spool(tmp_
     assert "Timed out" not in held and "timed out" not in held.lower(), outs  # rank 0 gave up only once rank 1 was gone
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mooncake_store(tmp_path_factory) -> list[str]:
     """A Mooncake master with its HTTP metadata service on 127.0.0.1 (scripts/data/mooncake_master.sh), for the test
     that needs it; the --opts that point a recipe at it."""
     import socket
 
+    from deepspec.data.engines.server import free_port
     from deepspec.data.stream.channel import import_mooncake
     from deepspec.errors import CacheError
 
@@ -358,10 +351,10 @@ def mooncake_store(tmp_path_factory) -> list[str]:
         import_mooncake()
     except CacheError as e:
         pytest.skip(str(e))
-    port, meta = _free_port(), _free_port()
+    port, meta = free_port(), free_port()
     log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")
     master = subprocess.Popen(["bash", str(REPO / "scripts/data/mooncake_master.sh"), "--host", "127.0.0.1", "--port", str(port),
-                               "--metadata-port", str(meta), "--metrics-port", str(_free_port())],
+                               "--metadata-port", str(meta), "--metrics-port", str(free_port())],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def up() -> bool:
