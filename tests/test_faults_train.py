@@ -443,33 +443,59 @@ _SLOW_SAVE = """
 import datetime, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from deepspec.train.checkpoint import save_checkpoint
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from deepspec.train.checkpoint import load_optimizer, save_checkpoint
 rank, run_dir = int(os.environ["RANK"]), Path(sys.argv[1])
-# a process-group timeout (2 s) shorter than rank 0's write (5 s): as NCCL's 10 minutes against a large checkpoint on a
-# slow shared filesystem
+# a process-group timeout (2 s) shorter than one rank's slow file work (4 s): as NCCL's 10 minutes against a large
+# checkpoint on a slow shared filesystem
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
-model = torch.nn.Linear(4, 4)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))  # the optimizer state in shards (DCP)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
-def write_draft(directory, weights):
-    time.sleep(5)
+def step():
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+def slow_on(slow_rank, f):
+    def wrapped(*args, **kwargs):
+        if rank == slow_rank:
+            time.sleep(4)
+        return f(*args, **kwargs)
+    return wrapped
+
+def write_draft(directory, weights):  # rank 0 alone writes the weights
+    time.sleep(4)
     torch.save(weights, directory / "weights.pt")
 
+filesystem.FileSystemWriter.write_data = slow_on(1, filesystem.FileSystemWriter.write_data)  # rank 1's shards
+filesystem.FileSystemReader.read_data = slow_on(1, filesystem.FileSystemReader.read_data)
 try:
-    final = save_checkpoint(run_dir, 1, weights=model.state_dict() if rank == 0 else None, write_draft=write_draft,
-                            optimizer=optimizer, model=model, scheduler=scheduler, trainer_state={}, sharded=False,
+    step()
+    saved = [t.to_local().clone() for t in optimizer.state_dict()["state"][0].values() if hasattr(t, "to_local")]
+    final = save_checkpoint(run_dir, 1, weights={"w": torch.zeros(1)} if rank == 0 else None, write_draft=write_draft,
+                            optimizer=optimizer, model=model, scheduler=scheduler, trainer_state={}, sharded=True,
                             save_config=lambda d: None, keep_last=2)
-    print("saved", final.name, flush=True)
+    step()  # the state moves on; the load brings back the saved one
+    load_optimizer(final, model, optimizer, sharded=True)
+    loaded = [t.to_local() for t in optimizer.state_dict()["state"][0].values() if hasattr(t, "to_local")]
+    same = len(saved) == 2 and all(torch.equal(a, b) for a, b in zip(saved, loaded))
+    print("saved", final.name, "loaded", "the same" if same else "other", "state", flush=True)
 except Exception as e:
     print(type(e).__name__, str(e).replace(chr(10), " ")[:300], flush=True)
 """
 
 
-def test_ranks_wait_on_the_host_while_rank_0_writes_a_slow_checkpoint(tmp_path):
-    """Two gloo ranks save a checkpoint; rank 0's write takes 5 s, longer than the process group's 2 s timeout. Rank 1
-    waits for it on the host (a gloo group of up to 2 hours) instead of timing out in the group's barrier: both return
-    step_1, written whole. (NCCL's watchdog would abort a training job mid-save so, at every later save again.)"""
+def test_ranks_wait_on_the_host_while_one_writes_or_reads_a_slow_checkpoint(tmp_path):
+    """Two gloo ranks save a checkpoint and load its optimizer shards back, under a process-group timeout (2 s) shorter
+    than each rank's slow part: rank 0 writing the weights alone, rank 1 writing and reading its shards (4 s each). The
+    others wait on the host (a gloo group of up to 2 hours) instead of timing out in the group's collectives: both
+    return step_1, written whole, and load the saved state. (NCCL's watchdog would abort a training job mid-save so,
+    at every later save again.)"""
     outs = outputs(start_ranks(_SLOW_SAVE, str(tmp_path / "run"), env=_env()), 120)
-    assert outs == ["saved step_1", "saved step_1"], outs
+    assert outs == ["saved step_1 loaded the same state"] * 2, outs
     assert (tmp_path / "run" / "step_1" / "weights.pt").is_file() and not (tmp_path / "run" / "step_1.tmp").exists()

@@ -28,7 +28,7 @@ from torch import nn
 from deepspec.diskfull import room_for, tensor_bytes
 from deepspec.errors import CheckpointError
 from deepspec.log import get_logger
-from deepspec.train.dist import host_barrier
+from deepspec.train.dist import host_barrier, host_group
 
 log = get_logger(__name__)
 
@@ -244,7 +244,8 @@ def save_checkpoint(
 
         osd = get_optimizer_state_dict(model, optimizer)
         with room_for(tmp / OPTIMIZER_DCP, lambda: tensor_bytes(osd), "the checkpoint's optimizer shards", after, drop_tmp):
-            dcp.save({"optimizer": osd}, checkpoint_id=str(tmp / OPTIMIZER_DCP))
+            # its planning collectives wait on the host too: one rank's shards may take long to write
+            dcp.save({"optimizer": osd}, checkpoint_id=str(tmp / OPTIMIZER_DCP), process_group=host_group())
     if rank == 0:
         def needed() -> int:
             return tensor_bytes(weights) + (0 if sharded else tensor_bytes(optimizer.state_dict()))
@@ -342,7 +343,7 @@ def load_optimizer(step_dir: Path, model: nn.Module, optimizer: torch.optim.Opti
             )
         osd = get_optimizer_state_dict(model, optimizer)
         state = {"optimizer": osd}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), process_group=host_group())
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         return
     f = step_dir / OPTIMIZER_FILE

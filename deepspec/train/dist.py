@@ -94,12 +94,20 @@ HOST_WAIT = datetime.timedelta(hours=2)
 _HOST: tuple[Any, Any] | None = None  # (the default group it was made for, its gloo group)
 
 
-def host_barrier() -> None:
-    """Every rank waits for the others on the host (a gloo group made once per process group, HOST_WAIT)."""
+def host_group() -> Any:
+    """The gloo group, over every rank, in which ranks wait on the host (HOST_WAIT); made once per default group.
+    Collective the first time: every rank must call it. None when not distributed."""
     global _HOST
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
+        return None
     world = dist.group.WORLD
     if _HOST is None or _HOST[0] is not world:
-        _HOST = (world, dist.new_group(backend="gloo", timeout=HOST_WAIT))  # collective: every rank is here
-    dist.barrier(group=_HOST[1])
+        _HOST = (world, dist.new_group(backend="gloo", timeout=HOST_WAIT))
+    return _HOST[1]
+
+
+def host_barrier() -> None:
+    """Every rank waits for the others on the host (host_group)."""
+    group = host_group()
+    if group is not None:
+        dist.barrier(group=group)
