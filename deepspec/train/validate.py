@@ -89,12 +89,10 @@ def run_validation(wrapped: torch.nn.Module, data: Any, cfg, info: DistInfo, aut
         wrapped.train(was_training)
     sums["loss"] = [loss_num, loss_den]
     # ranks without data still need the same keys for the collective
-    keys: list[Any] = [sorted(sums)]
     if torch.distributed.is_initialized() and info.world > 1:
         gathered: list[Any] = [None] * info.world
         torch.distributed.all_gather_object(gathered, sorted(sums))
         for ks in gathered:
             for k in ks:
                 sums.setdefault(k, [0.0, 0.0])
-    del keys
     return derive(reduce_metrics(sums, info.device))
