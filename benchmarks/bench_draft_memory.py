@@ -75,6 +75,10 @@ TARGETS = {
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)),
     "Qwen/Qwen3-14B": ("qwen3", dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)),
+    # Qwen3-MoE: the draft reads intermediate_size (the dense MLP width in the config) when it sizes its own MLP
+    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                             num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False)),
     "deepseek-ai/DeepSeek-V4-Flash": ("deepseek_v4", {}),
 }
 GB = 1e9

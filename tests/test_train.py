@@ -467,12 +467,12 @@ def test_wandb_and_tensorboard_series(reference):
 
 
 def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
-    """config/<algorithm>/<target>.yaml for each algorithm x {smollm2, qwen3-4b, qwen3-8b, qwen3-14b}."""
+    """config/<algorithm>/<target>.yaml for each algorithm x {smollm2, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-30b-a3b}."""
     from deepspec.config import load_config
     from deepspec.data.batches import BatchPlan
 
-    for algorithm in ("eagle3", "dflash", "dspark"):
-        for target in ("smollm2", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
+    for algorithm in ("eagle3", "dflash", "dspark", "dflash2"):
+        for target in ("smollm2", *QWEN3_RECIPES):
             cfg = load_config(REPO / "config" / algorithm / f"{target}.yaml")
             assert cfg.model.algorithm == algorithm
             if target.startswith("qwen3"):
@@ -484,6 +484,33 @@ def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
                 assert t.micro_batch_size == 4 and t.pack_tokens >= 8192
                 if t.optimizer == "muon":
                     assert t.parallel == "ddp"
+
+
+QWEN3_RECIPES = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B",
+                 "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
+
+
+@pytest.mark.parametrize("target", sorted(QWEN3_RECIPES))
+def test_qwen3_recipes_build_their_draft_on_the_published_target_config(target):
+    """Each Qwen3 recipe names its target and builds its draft (on the meta device: sizes only) from that target's
+    published config (bench_draft_memory's table, no download): the taps are DeepSpec's spacing for the target's depth
+    (layer 1 to L - 3; [1, 12, 23, 34, 45] for the 48 layers of Qwen3-30B-A3B, a Qwen3-MoE) and the draft is as wide
+    as the target, whose hidden states it reads."""
+    from script_loader import load_script
+
+    from deepspec.config import load_config
+    from deepspec.targets.taps import default_taps
+
+    bench = load_script("benchmarks/bench_draft_memory.py")
+    for algorithm in ("eagle3", "dflash", "dspark", "dflash2"):
+        cfg = load_config(REPO / "config" / algorithm / f"{target}.yaml")
+        assert cfg.target.name == QWEN3_RECIPES[target]
+        draft, tconf = bench.build_recipe_draft(cfg, 1.0, "meta")
+        assert list(cfg.model.target_layer_ids) == default_taps(tconf.num_hidden_layers, 5)
+        assert draft.arch.hidden_size == tconf.hidden_size and {p.device.type for p in draft.parameters()} == {"meta"}
+        if target == "qwen3-30b-a3b":
+            assert tconf.model_type == "qwen3_moe" and tconf.num_hidden_layers == 48
+            assert draft.arch.intermediate_size == 6144  # the dense MLP width, not an expert's (768)
 
 
 @pytest.mark.slow
