@@ -440,7 +440,7 @@ def test_full_disk_while_checkpointing_and_exporting_keeps_the_previous_ones_and
 
 
 _SLOW_SAVE = """
-import datetime, os, sys, time
+import os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint import filesystem
@@ -448,9 +448,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from deepspec.train.checkpoint import load_optimizer, save_checkpoint
 rank, run_dir = int(os.environ["RANK"]), Path(sys.argv[1])
+from gloo_ranks import init_gloo
 # a process-group timeout (2 s) shorter than one rank's slow file work (4 s): as NCCL's 10 minutes against a large
 # checkpoint on a slow shared filesystem
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+init_gloo(2)
 torch.manual_seed(0)
 model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))  # the optimizer state in shards (DCP)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

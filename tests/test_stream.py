@@ -262,15 +262,16 @@ def test_a_killed_producer_is_replaced_and_a_sigterm_while_waiting_for_a_paused_
 
 
 _SPOOL_RANK = """
-import datetime, os, sys
+import os, sys
 from types import SimpleNamespace as NS
 import torch, torch.distributed as dist
+from gloo_ranks import init_gloo
 from deepspec.data.stream import spool as sp
 from deepspec.data.stream.channel import FileChannel
 from deepspec.data.batches import Prefetcher
 from deepspec.preemption import PreemptionWatch, WaitPreempted
 rank, spool, wait_s, group_s = int(os.environ["RANK"]), sys.argv[1], float(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", **({"timeout": datetime.timedelta(seconds=float(group_s))} if group_s else {}))
+init_gloo(float(group_s) if group_s else None)
 plan = NS(samples=[NS(id=f"s{i}", length=4) for i in range(2)], hidden_size=8, dtype="fp32", signature={}, token_counts=None)
 ds = sp.SpoolDataset(FileChannel(spool), plan, global_batch=2, rank=rank, world=2, taps=[0], rows=1, local=spool, timeout_s=wait_s)
 watch = PreemptionWatch(rank == 0)
