@@ -442,7 +442,7 @@ def test_full_disk_while_checkpointing_and_exporting_keeps_the_previous_ones_and
 _SLOW_SAVE = """
 import os, sys, time
 from pathlib import Path
-import torch, torch.distributed as dist
+import torch
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

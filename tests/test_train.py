@@ -466,6 +466,11 @@ def test_wandb_and_tensorboard_series(reference):
     assert (reference / "step_best" / "model.safetensors").is_file()
 
 
+# the GPU recipes for Qwen3 targets: config/<algorithm>/<name>.yaml -> the target they name
+QWEN3_RECIPES = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B",
+                 "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
+
+
 def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
     """config/<algorithm>/<target>.yaml for each algorithm x {smollm2, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-30b-a3b}."""
     from deepspec.config import load_config
@@ -484,10 +489,6 @@ def test_every_recipe_loads_and_its_global_batch_fits_eight_gpus():
                 assert t.micro_batch_size == 4 and t.pack_tokens >= 8192
                 if t.optimizer == "muon":
                     assert t.parallel == "ddp"
-
-
-QWEN3_RECIPES = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B",
-                 "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 
 
 @pytest.mark.parametrize("target", sorted(QWEN3_RECIPES))
