@@ -447,8 +447,8 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from deepspec.train.checkpoint import load_optimizer, save_checkpoint
-rank, run_dir = int(os.environ["RANK"]), Path(sys.argv[1])
 from gloo_ranks import init_gloo
+rank, run_dir = int(os.environ["RANK"]), Path(sys.argv[1])
 # a process-group timeout (2 s) shorter than one rank's slow file work (4 s): as NCCL's 10 minutes against a large
 # checkpoint on a slow shared filesystem
 init_gloo(2)
@@ -469,10 +469,7 @@ def slow_on(slow_rank, f):
         return f(*args, **kwargs)
     return wrapped
 
-def write_draft(directory, weights):  # rank 0 alone writes the weights
-    time.sleep(4)
-    torch.save(weights, directory / "weights.pt")
-
+write_draft = slow_on(0, lambda directory, weights: torch.save(weights, directory / "weights.pt"))  # rank 0's alone
 filesystem.FileSystemWriter.write_data = slow_on(1, filesystem.FileSystemWriter.write_data)  # rank 1's shards
 filesystem.FileSystemReader.read_data = slow_on(1, filesystem.FileSystemReader.read_data)
 try:
